@@ -1,0 +1,238 @@
+"""Continuous-batching scheduler: which tokens of which sequences run in the next step.
+
+The scheduler is plain host Python. It never touches the device block manager; it keeps only
+the counts it needs to decide (free blocks, blocks held per sequence), refreshed from the
+device after every step. Allocation itself happens on the device, inside the compiled step,
+and cannot fail there because the scheduler only schedules what the free blocks can hold.
+
+Every sequence computes the tokens ``all_tokens[num_computed:]`` (its prompt, then each
+sampled token). A step gives it a chunk of them::
+
+    all_tokens:  p0 p1 p2 p3 p4 p5 p6 | o0 o1
+                 |<- num_computed ->|<-chunk->|
+                 (KV in the cache)   (this step)
+
+When a chunk reaches the end of ``all_tokens`` the step samples the next token from the last
+position's logits; a chunk that stops short (chunked prefill) samples nothing. A decode is
+just a chunk of one token. Preemption by recompute sets ``num_computed`` back to 0 and frees
+the blocks; the sequence re-enters the waiting queue first in line and later re-prefills
+its prompt plus everything it has generated, so its output is unchanged.
+
+Policy (first come, first served):
+1. Running sequences, oldest first, each get their next chunk (1 token when decoding). When
+   the pool cannot hold a chunk, the youngest running sequence is preempted (possibly the one
+   asking) until it can.
+2. Then waiting sequences, oldest first, are admitted while the token budget, the sequence
+   cap and the pool allow. No waiting sequence jumps ahead of an older one that does not fit,
+   and none is admitted in a step that had to preempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One generated sequence (a request with ``n > 1`` has several).
+
+    Attributes:
+      seq_id: engine-unique id, also the arrival order (smaller = older = higher priority).
+      prompt_token_ids: the prompt.
+      output_token_ids: tokens sampled so far.
+      num_computed: leading tokens of ``all_tokens`` whose K/V is in the cache.
+      num_blocks: physical blocks the block manager holds for this sequence (host mirror).
+      slot: row of the device block table while running, else ``None``.
+      num_cached_tokens: prompt tokens found in the prefix cache at admission.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0
+    num_blocks: int = 0
+    slot: int | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_decoding(self) -> bool:
+        """True when only the newest sampled token is left to compute."""
+        return self.num_tokens - self.num_computed == 1 and len(self.output_token_ids) > 0
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step (== seq.num_computed before the step)
+    length: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a token is sampled."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def all_decode(self) -> bool:
+        return bool(self.chunks) and all(c.seq.is_decoding for c in self.chunks)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and preemption by recompute.
+
+    Args:
+      num_blocks: usable blocks in the pool (the null block excluded).
+      block_size: tokens per block.
+      max_num_seqs: cap on running sequences (the device block table has this many rows).
+      max_num_batched_tokens: token budget of one step.
+    """
+
+    def __init__(
+        self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"{max_num_batched_tokens=} must be >= {max_num_seqs=} so that every running "
+                "sequence can decode in one step"
+            )
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_free_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a running or waiting sequence. The caller frees its device blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        self.num_free_blocks += seq.num_blocks
+        seq.num_blocks = 0
+        self.free_slots.append(seq.slot)
+        seq.slot = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        # Oldest first: put it back at the position its age gives it.
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].seq_id < seq.seq_id:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        self.running.sort(key=lambda s: s.seq_id)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            length = min(seq.num_tokens - seq.num_computed, budget)
+            need = blocks_for(seq.num_computed + length, self.block_size) - seq.num_blocks
+            while need > self.num_free_blocks and self.running[-1] is not seq:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+            if need > self.num_free_blocks:  # even alone it does not fit: preempt itself
+                self._preempt(seq)
+                preempted.append(seq)
+                break
+            self._grant(seq, length, need, chunks)
+            budget -= length
+            i += 1
+
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            length = min(seq.num_tokens - seq.num_computed, budget)
+            need = blocks_for(seq.num_computed + length, self.block_size) - seq.num_blocks
+            if need > self.num_free_blocks:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.slot = self.free_slots.pop()
+            self.running.append(seq)
+            self._grant(seq, length, need, chunks)
+            budget -= length
+        return SchedulerOutput(chunks=chunks, preempted=preempted)
+
+    def _grant(self, seq: Sequence, length: int, need: int, chunks: list) -> None:
+        chunks.append(ScheduledChunk(seq=seq, start=seq.num_computed, length=length))
+        seq.num_blocks += need
+        self.num_free_blocks -= need
+
+    def decode_horizon(self, seqs: list[Sequence], max_steps: int) -> int:
+        """Largest k <= max_steps such that every sequence can decode k more tokens with the
+        free blocks (used to size a multi-step decode call)."""
+        k = max_steps
+        while k > 1:
+            need = sum(blocks_for(s.num_computed + k, self.block_size) - s.num_blocks for s in seqs)
+            if need <= self.num_free_blocks:
+                return k
+            k //= 2
+        return 1
+
+    def commit_decode(self, seq: Sequence, steps: int) -> None:
+        """Records blocks taken on the device by ``steps`` decode steps of a multi-step call."""
+        need = blocks_for(seq.num_computed + steps, self.block_size) - seq.num_blocks
+        seq.num_blocks += need
+        self.num_free_blocks -= need
