@@ -1,0 +1,411 @@
+"""Paged attention on GPUs in Pallas (Triton lowering): decode and ragged, flash-decoding splits.
+
+Lowering choice
+---------------
+This kernel uses Pallas's **Triton** backend (`pl.pallas_call` with `plgpu.CompilerParams`), not
+Mosaic GPU, for three reasons:
+
+* It runs on every CUDA GPU jax supports (Ampere, Ada, Hopper, Blackwell); Mosaic GPU kernels
+  need Hopper (sm_90) or newer. On GPUs older than Hopper this same kernel is what runs.
+* It runs in Pallas's interpreter on the CPU with ``interpret=True``, so CI (no GPU) checks the
+  kernel's arithmetic, masking and indexing against the reference on every commit.
+* The same code lowers on jax 0.10.2 (here) and 0.11.2 (the H200 machine). jax 0.12 marks the
+  Triton backend deprecated in favour of Mosaic GPU; it still works there. A Mosaic GPU variant
+  (TMA page copies, warp-specialised pipelining) is the follow-up if Hopper needs the last few
+  percent of bandwidth; the dispatch in `pallas_kernels.ops` would pick it by compute capability.
+
+How it works
+------------
+Queries are cut into *query blocks*: ``block_q`` consecutive query tokens of one sequence times
+the ``G = H // KVH`` query heads that share one KV head, flattened into ``M`` rows (padded to a
+power of two >= 16, which Triton's `dot` needs)::
+
+    row r of a block  ->  token  r // G  of the block,  query head  kv_head * G + r % G
+
+so every K/V page is loaded once for all heads of its group. Decode is the special case
+``block_q == 1`` with one block per sequence. The grid is ``(query blocks, KVH, splits)``. Each
+program walks its share of the key range in *compute blocks* of ``pages_per_block`` pages
+(``bk = pages_per_block * bs`` keys), gathering the pages through the block table, and keeps an
+online softmax (running max ``m``, sum ``l``, output ``o``) in base 2 (``exp2`` with ``log2(e)``
+folded into the scale). The visible key range of a block ``[lo, hi)`` (causal end, sliding-window
+start) is divided evenly among the ``num_splits`` programs of the last grid axis
+(flash-decoding), so one long sequence still fills the GPU; a small `jnp` epilogue merges the
+splits with their ``(m, l)`` and scatters rows back to ``[T, H, D]``.
+
+Masking is by position, never by sentinel: keys past ``hi`` may come from the null block 0 or a
+stale page tail, so their probabilities are set to exactly 0 and their V rows to 0 (garbage may
+be NaN). A row that sees no key (``kv_lens == 0``, padding rows) outputs 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.reference import token_positions
+
+__all__ = ["gpu_paged_attention_decode", "gpu_ragged_paged_attention"]
+
+_LOG2E = math.log2(math.e)
+# A finite "minus infinity": exp2(MASK - m) underflows to 0, and MASK - MASK stays 0 (not NaN).
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Programs wanted in flight on a big GPU (an H200 has 132 SMs) before splitting keys further.
+_TARGET_PROGRAMS = 2 * 132
+
+
+def _paged_attention_kernel(
+    q_ref,  # [M, D] query rows of one query block and one KV head
+    k_pages_ref,  # [N, bs, D] this KV head's pages
+    v_pages_ref,  # [N, bs, D]
+    block_table_ref,  # [P_pad] the block's sequence's block table
+    meta_ref,  # [4] (pos0, num_q, _, _): position of the block's first token, valid tokens
+    o_ref,  # [M, D] normalised output of this split
+    m_ref,  # [M] running max (base 2) of this split
+    l_ref,  # [M] softmax denominator of this split
+    *,
+    group: int,
+    pages_per_block: int,
+    num_splits: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    split = pl.program_id(2)
+    m_rows, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    bk = pages_per_block * page_size
+
+    pos0 = meta_ref[0]
+    num_q = meta_ref[1]
+    # Keys the block can see: [lo, hi). hi is one past the last valid query's position.
+    hi = jnp.minimum(pos0 + num_q, block_table_ref.shape[0] * page_size)
+    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+    hi = jnp.maximum(hi, lo)  # num_q == 0: empty range
+    first_cb = lo // bk
+    num_cb = pl.cdiv(hi, bk) - first_cb
+    per_split = pl.cdiv(num_cb, num_splits)
+    cb_start = first_cb + split * per_split
+    cb_end = jnp.minimum(cb_start + per_split, first_cb + num_cb)
+
+    rows = jnp.arange(m_rows, dtype=jnp.int32)  # [M]
+    row_tok = rows // group  # [M] token of the block each row belongs to
+    row_pos = pos0 + row_tok  # [M] query position
+    row_valid = row_tok < num_q  # [M] False for padding rows and tokens past the sequence
+    q = q_ref[...]  # [M, D]
+    if soft_cap is None:
+        logit_scale = scale * _LOG2E
+    else:
+        logit_scale = scale / soft_cap
+
+    def body(cb, carry):
+        o_prev, m_prev, l_prev = carry  # [M, D], [M], [M]
+        pages = block_table_ref[pl.ds(cb * pages_per_block, pages_per_block)]  # [ppb]
+        k = k_pages_ref[pages].reshape(bk, head_dim)  # [bk, D]
+        v = v_pages_ref[pages].reshape(bk, head_dim)  # [bk, D]
+        s = plgpu.dot(q, k, trans_b=True) * logit_scale  # [M, bk] f32, base-2 logits
+        if soft_cap is not None:
+            s = jnp.tanh(s) * (soft_cap * _LOG2E)
+        key_pos = cb * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+        visible = (key_pos[None, :] <= row_pos[:, None]) & row_valid[:, None]  # [M, bk]
+        if sliding_window is not None:
+            visible &= row_pos[:, None] - key_pos[None, :] < sliding_window
+        s = jnp.where(visible, s, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=-1))  # [M]
+        alpha = jnp.exp2(m_prev - m_next)  # [M]
+        p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)  # [M, bk]
+        l_next = alpha * l_prev + p.sum(axis=-1)
+        v = jnp.where((key_pos < hi)[:, None], v, jnp.zeros_like(v))  # garbage past hi
+        o_next = alpha[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v)  # [M, D]
+        return o_next, m_next, l_next
+
+    o = jnp.zeros((m_rows, head_dim), jnp.float32)
+    m = jnp.full((m_rows,), _MASK_VALUE, jnp.float32)
+    l = jnp.zeros((m_rows,), jnp.float32)
+    o, m, l = jax.lax.fori_loop(cb_start, cb_end, body, (o, m, l))
+    o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _prev_pow2(x: int) -> int:
+    return 1 << (x.bit_length() - 1)
+
+
+def _attend_blocks(
+    q_blocks: jax.Array,  # [NQB, KVH, M, D]
+    k_pages: jax.Array,  # [KVH, N, bs, D]
+    v_pages: jax.Array,  # [KVH, N, bs, D]
+    block_tables: jax.Array,  # i32[NQB, P] each block's sequence's table
+    meta: jax.Array,  # i32[NQB, 4] (pos0, num_q, 0, 0)
+    *,
+    group: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    pages_per_block: int,
+    num_splits: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> jax.Array:  # [NQB, KVH, M, D] in q dtype
+    """Runs the kernel over all query blocks and merges the key splits."""
+    nqb, kvh, m_rows, d = q_blocks.shape
+    _, n, bs, _ = k_pages.shape
+    p = block_tables.shape[1]
+    p_pad = pl.cdiv(p, pages_per_block) * pages_per_block
+    if p_pad != p:  # whole compute blocks; the padding reads block 0 and is masked
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, p_pad - p)))
+    out_dtype = q_blocks.dtype if num_splits == 1 else jnp.float32
+    kernel = functools.partial(
+        _paged_attention_kernel,
+        group=group,
+        pages_per_block=pages_per_block,
+        num_splits=num_splits,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(nqb, kvh, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, m_rows, d), lambda b, h, s: (b, h, 0, 0)),  # q
+            pl.BlockSpec((None, n, bs, d), lambda b, h, s: (h, 0, 0, 0)),  # k_pages
+            pl.BlockSpec((None, n, bs, d), lambda b, h, s: (h, 0, 0, 0)),  # v_pages
+            pl.BlockSpec((None, p_pad), lambda b, h, s: (b, 0)),  # block_tables
+            pl.BlockSpec((None, 4), lambda b, h, s: (b, 0)),  # meta
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, m_rows, d), lambda b, h, s: (b, h, s, 0, 0)),  # o
+            pl.BlockSpec((None, None, None, m_rows), lambda b, h, s: (b, h, s, 0)),  # m
+            pl.BlockSpec((None, None, None, m_rows), lambda b, h, s: (b, h, s, 0)),  # l
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((nqb, kvh, num_splits, m_rows, d), out_dtype),
+            jax.ShapeDtypeStruct((nqb, kvh, num_splits, m_rows), jnp.float32),
+            jax.ShapeDtypeStruct((nqb, kvh, num_splits, m_rows), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention_m{m_rows}_bk{pages_per_block * bs}_s{num_splits}",
+    )(q_blocks, k_pages, v_pages, block_tables, meta)
+    if num_splits == 1:
+        return o[:, :, 0]
+    # Flash-decoding merge: weight each split's normalised output by l_s * 2^(m_s - max m).
+    m_max = m.max(axis=2, keepdims=True)  # [NQB, KVH, 1, M]
+    w = l * jnp.exp2(m - m_max)  # [NQB, KVH, S, M]; 0 for empty splits
+    total = w.sum(axis=2)  # [NQB, KVH, M]
+    o = (o * w[..., None]).sum(axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
+    return o.astype(q_blocks.dtype)
+
+
+def _default_splits(num_programs: int, max_compute_blocks: int) -> int:
+    """Key splits so that about `_TARGET_PROGRAMS` programs run, never more than key blocks."""
+    want = max(1, _TARGET_PROGRAMS // max(num_programs, 1))
+    return max(1, min(_next_pow2(want), _next_pow2(max_compute_blocks)))
+
+
+def _default_pages_per_block(page_size: int) -> int:
+    """About 64 keys per compute block, and at least 16 (Triton's dot needs N >= 16)."""
+    return max(1, max(64, page_size) // page_size)
+
+
+def _check_tunables(page_size: int, head_dim: int, pages_per_block: int) -> None:
+    if page_size & (page_size - 1):
+        raise ValueError(f"{page_size=} must be a power of 2 for the GPU kernel")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"{head_dim=} must be a power of 2 >= 16 for the GPU kernel")
+    bk = pages_per_block * page_size
+    if pages_per_block & (pages_per_block - 1) or bk < 16:
+        raise ValueError(f"{pages_per_block=} must be a power of 2 with {page_size=} * it >= 16")
+
+
+_STATIC = (
+    "scale",
+    "sliding_window",
+    "soft_cap",
+    "interpret",
+    "pages_per_block",
+    "num_splits",
+    "num_warps",
+    "num_stages",
+)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gpu_paged_attention_decode(
+    q: jax.Array,  # [B, H, D]
+    k_pages: jax.Array,  # [KVH, N, bs, D]
+    v_pages: jax.Array,  # [KVH, N, bs, D]
+    block_tables: jax.Array,  # i32[B, P]
+    kv_lens: jax.Array,  # i32[B]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    pages_per_block: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:  # [B, H, D]
+    """Decode paged attention: query b at position ``kv_lens[b] - 1``; ``kv_lens[b] == 0`` -> 0.
+
+    Args:
+      q: ``[B, H, D]``; k_pages, v_pages: ``[KVH, N, bs, D]``; block_tables: ``i32[B, P]``;
+        kv_lens: ``i32[B]`` (the current token included).
+      scale, sliding_window, soft_cap: as in `pallas_kernels.reference`.
+      interpret: run in the Pallas interpreter (CPU tests).
+      pages_per_block: pages per compute block (default: about 64 keys).
+      num_splits: key splits per sequence (flash-decoding; default from the grid size).
+      num_warps, num_stages: Triton launch parameters.
+    Returns:
+      ``[B, H, D]`` in ``q.dtype``.
+    """
+    b, h, d = q.shape
+    kvh, _, bs, _ = k_pages.shape
+    group = h // kvh
+    ppb = pages_per_block or _default_pages_per_block(bs)
+    _check_tunables(bs, d, ppb)
+    m_rows = max(16, _next_pow2(group))
+    q_blocks = q.reshape(b, kvh, group, d)  # row r = query head kv_head * G + r
+    q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, m_rows - group), (0, 0)))
+    kv_lens = kv_lens.astype(jnp.int32)
+    meta = jnp.stack(
+        [kv_lens - 1, (kv_lens > 0).astype(jnp.int32)] + [jnp.zeros_like(kv_lens)] * 2, axis=1
+    )  # [B, 4]
+    splits = num_splits or _default_splits(b * kvh, pl.cdiv(block_tables.shape[1], ppb))
+    o = _attend_blocks(
+        q_blocks,
+        k_pages,
+        v_pages,
+        block_tables.astype(jnp.int32),
+        meta,
+        group=group,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        pages_per_block=ppb,
+        num_splits=splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )  # [B, KVH, M, D]
+    return o[:, :, :group].reshape(b, h, d)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "block_q"))
+def gpu_ragged_paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [KVH, N, bs, D]
+    v_pages: jax.Array,  # [KVH, N, bs, D]
+    block_tables: jax.Array,  # i32[S, P]
+    kv_lens: jax.Array,  # i32[S]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:  # [T, H, D]
+    """Ragged paged attention (prefill, chunked prefill, mixed with decode) on a flat batch.
+
+    Sequence s owns rows ``cu_q_lens[s]:cu_q_lens[s+1]``; its row j sits at position
+    ``kv_lens[s] - q_len_s + j`` and sees keys ``k <= pos`` (and ``pos - k < sliding_window``).
+    Rows at or past ``cu_q_lens[num_seqs]`` output 0.
+
+    Args:
+      q: ``[T, H, D]``; k_pages, v_pages: ``[KVH, N, bs, D]``; block_tables: ``i32[S, P]``;
+        kv_lens: ``i32[S]``; cu_q_lens: ``i32[S+1]``; num_seqs: ``i32[]``.
+      scale, sliding_window, soft_cap, interpret, pages_per_block, num_splits, num_warps,
+        num_stages: as in `gpu_paged_attention_decode`.
+      block_q: query tokens per query block (power of 2; default 1 when ``T <= S``, a decode
+        step, else about 64 rows per block).
+    Returns:
+      ``[T, H, D]`` in ``q.dtype``.
+    """
+    t, h, d = q.shape
+    kvh, _, bs, _ = k_pages.shape
+    s = kv_lens.shape[0]
+    group = h // kvh
+    ppb = pages_per_block or _default_pages_per_block(bs)
+    _check_tunables(bs, d, ppb)
+    if block_q is None:
+        block_q = 1 if t <= s else _prev_pow2(max(1, 64 // group))
+    if block_q & (block_q - 1):
+        raise ValueError(f"{block_q=} must be a power of 2")
+    m_rows = max(16, _next_pow2(block_q * group))
+    # Upper bound on query blocks: sum_s cdiv(q_len_s, bq) <= (T + nonempty * (bq - 1)) // bq.
+    nqb = max(1, (t + min(s, t) * (block_q - 1)) // block_q)
+
+    # Per-sequence query blocks, then each block's sequence (searchsorted on the block offsets).
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    cu = cu_q_lens.astype(jnp.int32)
+    live = jnp.arange(s) < num_seqs  # [S]
+    q_len = jnp.where(live, cu[1:] - cu[:-1], 0)  # [S]
+    cu_blocks = jnp.concatenate(
+        [jnp.zeros(1, jnp.int32), jnp.cumsum((q_len + block_q - 1) // block_q)]
+    )
+    blk = jnp.arange(nqb, dtype=jnp.int32)  # [NQB]
+    blk_seq = jnp.clip(jnp.searchsorted(cu_blocks, blk, side="right") - 1, 0, s - 1)
+    blk_first = (blk - cu_blocks[blk_seq]) * block_q  # [NQB] first token offset in its sequence
+    blk_num_q = jnp.where(
+        blk < cu_blocks[s], jnp.clip(q_len[blk_seq] - blk_first, 0, block_q), 0
+    )  # [NQB]
+    kv_lens = kv_lens.astype(jnp.int32)
+    blk_pos0 = kv_lens[blk_seq] - q_len[blk_seq] + blk_first  # [NQB]
+    meta = jnp.stack(
+        [blk_pos0, blk_num_q, jnp.zeros_like(blk), jnp.zeros_like(blk)], axis=1
+    )  # [NQB, 4]
+
+    # Gather q rows into blocks: [NQB, bq] token indices (T = zero row for padding).
+    tok = cu[blk_seq][:, None] + blk_first[:, None] + jnp.arange(block_q)[None, :]  # [NQB, bq]
+    tok = jnp.where(jnp.arange(block_q)[None, :] < blk_num_q[:, None], tok, t)
+    q_pad = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])  # [T+1, H, D]
+    q_blocks = q_pad[tok].reshape(nqb, block_q, kvh, group, d)
+    q_blocks = q_blocks.transpose(0, 2, 1, 3, 4).reshape(nqb, kvh, block_q * group, d)
+    q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, m_rows - block_q * group), (0, 0)))
+
+    splits = num_splits or _default_splits(nqb * kvh, pl.cdiv(block_tables.shape[1], ppb))
+    o = _attend_blocks(
+        q_blocks,
+        k_pages,
+        v_pages,
+        block_tables.astype(jnp.int32)[blk_seq],
+        meta,
+        group=group,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        pages_per_block=ppb,
+        num_splits=splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )  # [NQB, KVH, M, D]
+
+    # Rows back to tokens: token t is row (t - cu[seq]) % bq of block cu_blocks[seq] + ... // bq.
+    o = o[:, :, : block_q * group].reshape(nqb, kvh, block_q, group, d)
+    o = o.transpose(0, 2, 1, 3, 4).reshape(nqb * block_q, h, d)  # [NQB*bq, H, D]
+    seq, _ = token_positions(t, kv_lens, cu_q_lens, num_seqs)
+    rows = jnp.arange(t, dtype=jnp.int32)
+    off = rows - cu[seq]  # [T] offset in its sequence
+    row = (cu_blocks[seq] + off // block_q) * block_q + off % block_q  # [T]
+    out = o[jnp.clip(row, 0, nqb * block_q - 1)]  # [T, H, D]
+    valid = rows < cu[num_seqs]  # [T] padding rows past the last sequence
+    return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))

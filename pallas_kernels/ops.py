@@ -1,0 +1,182 @@
+"""`paged_attention`: the one entry point the model calls, picking a kernel by platform.
+
+::
+
+    impl="auto"       CUDA GPU -> gpu_paged_attention (Pallas, Triton lowering)
+                      TPU      -> tpu_paged_attention (Pallas, Mosaic TPU)
+                      else     -> reference (plain jnp under XLA)
+    impl="reference" | "gpu" | "tpu"   force one; interpret=True runs a Pallas kernel in the
+                                       interpreter (how the CPU tests run the kernels)
+
+"auto" falls back to the reference on a GPU when the shapes are outside what the GPU kernel
+takes (block size or head dim not a power of two), rather than failing; an explicit
+``impl="gpu"`` raises instead. Every input is checked here, at trace time, with errors that name
+the offending argument; the kernels behind this call assume valid inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import gpu_paged_attention as _gpu
+from pallas_kernels import reference as _ref
+
+__all__ = ["paged_attention", "resolve_impl"]
+
+Impl = Literal["auto", "reference", "gpu", "tpu"]
+_IMPLS = ("auto", "reference", "gpu", "tpu")
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _gpu_supports(page_size: int, head_dim: int) -> bool:
+    return _is_pow2(page_size) and _is_pow2(head_dim) and head_dim >= 16
+
+
+def resolve_impl(impl: Impl, page_size: int, head_dim: int, backend: str | None = None) -> str:
+    """The implementation `paged_attention` runs for ``impl`` on ``backend`` (default: jax's)."""
+    if impl not in _IMPLS:
+        raise ValueError(f"{impl=} must be one of {_IMPLS}")
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    if backend in ("gpu", "cuda") and _gpu_supports(page_size, head_dim):
+        return "gpu"
+    if backend == "tpu":
+        return "tpu"
+    return "reference"
+
+
+def _check_int(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
+    if x.shape != shape or x.dtype != jnp.int32:
+        raise ValueError(f"{name}.shape={x.shape}, dtype={x.dtype} must be {shape}, int32")
+
+
+def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, scale,
+                  sliding_window, soft_cap):  # fmt: skip
+    if q.ndim != 3:
+        raise ValueError(f"{q.shape=} must be [B, H, D] (decode) or [T, H, D] (ragged)")
+    if k_pages.ndim != 4:
+        raise ValueError(f"{k_pages.shape=} must be [KVH, N, bs, D]")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{q.dtype=} must be one of float32, bfloat16, float16")
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=}")
+    num_q, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, head_dim_k = k_pages.shape
+    if head_dim_k != head_dim:
+        raise ValueError(f"{head_dim_k=} (k_pages.shape[3]) must equal {head_dim=} (q.shape[2])")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
+    if block_size < 1 or num_blocks < 1:
+        raise ValueError(f"{block_size=} and {num_blocks=} must be >= 1")
+    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
+        raise ValueError(f"{block_tables.shape=}, {block_tables.dtype=} must be [S, P], int32")
+    num_seq_slots = block_tables.shape[0]
+    if cu_q_lens is None:
+        if num_seq_slots != num_q:
+            raise ValueError(f"{block_tables.shape=} must have one row per query ({num_q=})")
+    else:
+        _check_int("cu_q_lens", cu_q_lens, (num_seq_slots + 1,))
+        if num_seqs is not None and jnp.shape(num_seqs) != ():
+            raise ValueError(f"{jnp.shape(num_seqs)=} must be () (a scalar)")
+    _check_int("kv_lens", kv_lens, (num_seq_slots,))
+    if not isinstance(scale, int | float) or scale <= 0:
+        raise ValueError(f"{scale=} must be a positive Python number (static)")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"{sliding_window=} must be None or a positive int")
+    if soft_cap is not None and (not isinstance(soft_cap, int | float) or soft_cap <= 0):
+        raise ValueError(f"{soft_cap=} must be None or a positive number")
+
+
+def paged_attention(
+    q: jax.Array,  # [B, H, D] decode, or [T, H, D] ragged
+    k_pages: jax.Array,  # [KVH, N, bs, D]
+    v_pages: jax.Array,  # [KVH, N, bs, D]
+    block_tables: jax.Array,  # i32[B, P] decode, i32[S, P] ragged
+    kv_lens: jax.Array,  # i32[B] or i32[S]
+    cu_q_lens: jax.Array | None = None,  # i32[S+1]; given -> ragged form
+    num_seqs: jax.Array | int | None = None,  # i32[]; default S
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    impl: Impl = "auto",
+    interpret: bool = False,
+) -> jax.Array:  # same shape and dtype as q
+    """Paged attention over one layer's pages, decode or ragged (docs/DESIGN.md, "Kernels").
+
+    Decode (``cu_q_lens is None``): query b sits at position ``kv_lens[b] - 1`` and sees keys
+    ``0..kv_lens[b]-1``; ``kv_lens[b] == 0`` gives zeros.
+
+    Ragged: sequence s owns rows ``cu_q_lens[s]:cu_q_lens[s+1]``; its row j sits at position
+    ``kv_lens[s] - q_len_s + j`` and sees keys at or before it. Rows at or past
+    ``cu_q_lens[num_seqs]`` are padding and give zeros.
+
+    Args:
+      q: ``[B, H, D]`` or ``[T, H, D]``; float32, bfloat16 or float16.
+      k_pages, v_pages: ``[KVH, N, bs, D]`` in ``q.dtype``; block 0 is the null block.
+      block_tables: ``i32[B or S, P]``; kv_lens: ``i32[B or S]`` (current tokens included).
+      cu_q_lens: ``i32[S+1]`` query start offsets (ragged form only).
+      num_seqs: live sequences (ragged form; default all S).
+      scale: softmax scale (static), e.g. ``D ** -0.5``.
+      sliding_window: key k visible from position p when ``p - k < sliding_window``.
+      soft_cap: ``logits = soft_cap * tanh(scale * q.k / soft_cap)``.
+      impl: "auto", "reference", "gpu" or "tpu" (see module docstring).
+      interpret: run a Pallas kernel in the interpreter.
+    Returns:
+      Attention output, same shape and dtype as ``q``.
+    Raises:
+      ValueError: on inconsistent shapes or dtypes, a head count not divisible by the KV heads,
+        a bad scale/window/cap, an unknown impl, or shapes the forced kernel cannot take.
+    """
+    _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, scale=scale,
+                  sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
+    _, _, block_size, head_dim = k_pages.shape
+    which = resolve_impl(impl, block_size, head_dim)
+    soft_cap = None if soft_cap is None else float(soft_cap)
+    kw = dict(scale=float(scale), sliding_window=sliding_window, soft_cap=soft_cap)
+    ragged = cu_q_lens is not None
+    if ragged and num_seqs is None:
+        num_seqs = block_tables.shape[0]
+    if ragged:
+        args = (
+            q,
+            k_pages,
+            v_pages,
+            block_tables,
+            kv_lens,
+            cu_q_lens,
+            jnp.asarray(num_seqs, jnp.int32),
+        )
+    else:
+        args = (q, k_pages, v_pages, block_tables, kv_lens)
+
+    if which == "reference":
+        fn = (
+            _ref.ragged_paged_attention_reference
+            if ragged
+            else _ref.paged_attention_decode_reference
+        )
+        return fn(*args, **kw)
+    if which == "gpu":
+        if not _gpu_supports(block_size, head_dim):
+            raise ValueError(
+                f"{block_size=} and {head_dim=} must be powers of 2 (head_dim >= 16) for impl='gpu'"
+            )
+        fn = _gpu.gpu_ragged_paged_attention if ragged else _gpu.gpu_paged_attention_decode
+        return fn(*args, interpret=interpret, **kw)
+    # impl == "tpu": imported lazily so a missing or broken TPU module never breaks the rest.
+    _tpu = importlib.import_module("pallas_kernels.tpu_paged_attention")
+
+    fn = _tpu.tpu_ragged_paged_attention if ragged else _tpu.tpu_paged_attention_decode
+    return fn(*args, interpret=interpret, **kw)
