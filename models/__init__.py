@@ -1,0 +1,34 @@
+"""Flax NNX Llama-family decoders, loaded from HF folders, GGUF files or orbax checkpoints.
+
+loaded = models.load()            # embedded SmolLM2-135M-Instruct (GGUF)
+logits = loaded.model(tokens)     # [B, T] -> [B, T, V], dense causal forward
+"""
+
+from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from models.generate import greedy_generate, make_contiguous_cache_attention
+from models.llama import AttentionFn, Transformer, dense_attention, make_dense_attention
+from models.loading import (
+    GenerationConfig,
+    LoadedModel,
+    default_model_path,
+    load,
+    save_checkpoint,
+)
+from models.tokenizer import Tokenizer
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "AttentionFn",
+    "GenerationConfig",
+    "LoadedModel",
+    "ModelConfig",
+    "Tokenizer",
+    "Transformer",
+    "default_model_path",
+    "dense_attention",
+    "greedy_generate",
+    "load",
+    "make_contiguous_cache_attention",
+    "make_dense_attention",
+    "save_checkpoint",
+]

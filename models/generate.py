@@ -1,0 +1,104 @@
+"""A minimal batched greedy decoder over `Transformer.forward` with a contiguous KV cache.
+
+Stands in for the paged engine in scripts and tests: the cache lives entirely in the attention
+function (`make_contiguous_cache_attention`), so the model code is the same one the engine uses.
+
+Cache layout: `(k, v)`, each `[L, B, S, KVH, D]`, indexed by token position. Prompts are
+right-padded; a pad token writes garbage at positions past its prompt, but a query at position p
+only reads keys at positions <= p, and every such position was written by a real token first
+(decode step s writes position len_b + s before reading it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.llama import AttentionFn, Transformer, dense_attention
+
+
+def make_contiguous_cache_attention(config: ModelConfig, positions: jax.Array) -> AttentionFn:
+    """Attention function writing K/V at `positions` i32[B,T] into `kv = (k, v)` [L,B,S,KVH,D]."""
+
+    def attn(layer: int, q, k, v, kv):
+        k_cache, v_cache = kv
+        b, t = positions.shape
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        k_cache = k_cache.at[layer, rows, positions].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[layer, rows, positions].set(v.astype(v_cache.dtype))
+        s = k_cache.shape[2]
+        out = dense_attention(
+            q,
+            k_cache[layer],
+            v_cache[layer],
+            scale=config.scale,
+            q_positions=positions,
+            k_positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+            sliding_window=config.sliding_window,
+        )
+        return out, (k_cache, v_cache)
+
+    return attn
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
+def _forward_step(graphdef, state, tokens, positions, kv, last):
+    """Runs tokens[B,T] at positions[B,T]; returns argmax at column last[B] and the cache."""
+    model = nnx.merge(graphdef, state)
+    attn = make_contiguous_cache_attention(model.config, positions)
+    logits, kv = model.forward(tokens, positions, attn, kv)
+    picked = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B,V]
+    return jnp.argmax(picked, axis=-1).astype(jnp.int32), kv
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def greedy_generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    eos_token_ids: tuple[int, ...] | list[int] = (),
+) -> list[list[int]]:
+    """Greedy continuation of each prompt: up to `max_new_tokens` new ids per prompt.
+
+    A row stops after its first id in `eos_token_ids` (the EOS id is kept). Shapes are padded to
+    multiples of 32 so a handful of compiled variants serve many calls.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    c = model.config
+    b = len(prompts)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    t_pad = _round_up(int(lens.max()), 32)
+    s = _round_up(int(lens.max()) + max_new_tokens, 32)
+    tokens = np.zeros((b, t_pad), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
+    kv = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+    graphdef, state = nnx.split(model)
+
+    positions = np.broadcast_to(np.arange(t_pad, dtype=np.int32), (b, t_pad))
+    nxt, kv = _forward_step(graphdef, state, tokens, positions, kv, lens - 1)
+    out = [[] for _ in range(b)]
+    done = np.zeros(b, bool)
+    eos = set(int(e) for e in eos_token_ids)
+    for step in range(max_new_tokens):
+        ids = np.asarray(nxt)
+        for i in range(b):
+            if not done[i]:
+                out[i].append(int(ids[i]))
+                done[i] = int(ids[i]) in eos
+        if done.all() or step == max_new_tokens - 1:
+            break
+        pos = (lens + step)[:, None]
+        nxt, kv = _forward_step(graphdef, state, ids[:, None], pos, kv, np.zeros(b, np.int32))
+    return out

