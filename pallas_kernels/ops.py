@@ -17,6 +17,7 @@ the offending argument; the kernels behind this call assume valid inputs.
 from __future__ import annotations
 
 import importlib
+import numbers
 from typing import Literal
 
 import jax
@@ -90,11 +91,13 @@ def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seq
         if num_seqs is not None and jnp.shape(num_seqs) != ():
             raise ValueError(f"{jnp.shape(num_seqs)=} must be () (a scalar)")
     _check_int("kv_lens", kv_lens, (num_seq_slots,))
-    if not isinstance(scale, int | float) or scale <= 0:
+    if not isinstance(scale, numbers.Real) or scale <= 0:
         raise ValueError(f"{scale=} must be a positive Python number (static)")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    if sliding_window is not None and (
+        not isinstance(sliding_window, numbers.Integral) or sliding_window < 1
+    ):
         raise ValueError(f"{sliding_window=} must be None or a positive int")
-    if soft_cap is not None and (not isinstance(soft_cap, int | float) or soft_cap <= 0):
+    if soft_cap is not None and (not isinstance(soft_cap, numbers.Real) or soft_cap <= 0):
         raise ValueError(f"{soft_cap=} must be None or a positive number")
 
 
@@ -144,6 +147,7 @@ def paged_attention(
     _, _, block_size, head_dim = k_pages.shape
     which = resolve_impl(impl, block_size, head_dim)
     soft_cap = None if soft_cap is None else float(soft_cap)
+    sliding_window = None if sliding_window is None else int(sliding_window)
     kw = dict(scale=float(scale), sliding_window=sliding_window, soft_cap=soft_cap)
     ragged = cu_q_lens is not None
     if ragged and num_seqs is None:
