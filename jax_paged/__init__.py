@@ -1,0 +1,22 @@
+"""jax-paged: PagedAttention for JAX.
+
+from jax_paged import LLM, SamplingParams
+llm = LLM()                         # embedded SmolLM2-135M-Instruct
+out = llm.generate("Hello", SamplingParams(max_tokens=16))
+"""
+
+from jax_paged.engine import EngineConfig, LLMEngine
+from jax_paged.llm import LLM
+from jax_paged.outputs import CompletionOutput, Logprob, RequestOutput
+from jax_paged.sampling_params import BeamSearchParams, SamplingParams
+
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
+from typing import Any
 
 
 class SequenceStatus(enum.Enum):
@@ -67,6 +68,10 @@ class Sequence:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Engine-side links: the sequence's own SamplingParams, its request, its index in it.
+    params: Any = None
+    request: Any = None
+    index: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +144,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
         self.num_preemptions = 0
+        self._preempted_slots: list[int] = []
 
     # -- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -164,6 +170,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._preempted_slots.append(seq.slot)
         self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -231,8 +238,13 @@ class Scheduler:
             k //= 2
         return 1
 
-    def commit_decode(self, seq: Sequence, steps: int) -> None:
-        """Records blocks taken on the device by ``steps`` decode steps of a multi-step call."""
-        need = blocks_for(seq.num_computed + steps, self.block_size) - seq.num_blocks
-        seq.num_blocks += need
-        self.num_free_blocks -= need
+    def set_num_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        """Records that the device now holds ``num_blocks`` blocks for ``seq`` (after a
+        multi-step decode call, which reserves on the device as it goes)."""
+        self.num_free_blocks -= num_blocks - seq.num_blocks
+        seq.num_blocks = num_blocks
+
+    def drain_preempted_slots(self) -> list[int]:
+        """Slots of sequences preempted since the last call: the device must free them."""
+        out, self._preempted_slots = self._preempted_slots, []
+        return out

@@ -220,13 +220,26 @@ class Transformer(nnx.Module):
         return self.config.scale
 
     def forward(
-        self, tokens: jax.Array, positions: jax.Array, attn: AttentionFn, kv: Any
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        attn: AttentionFn,
+        kv: Any,
+        *,
+        logits_indices: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
-        """tokens i32[B,T], positions i32[B,T] -> (logits f32[B,T,V], kv from `attn`)."""
+        """tokens i32[B,T], positions i32[B,T] -> (logits f32[B,T,V], kv from `attn`).
+
+        With ``logits_indices`` (i32[R]) only the hidden states at those token indices go
+        through the LM head, giving logits f32[B,R,V]: the engine needs one row per sequence,
+        not one per prompt token.
+        """
         x = self.embed_tokens(tokens)  # [B,T,E]
         cos, sin = rope_cos_sin(self.config, positions)  # [B,T,D]
         for layer in self.layers:
             x, kv = layer(x, cos, sin, attn, kv)
+        if logits_indices is not None:
+            x = x[:, logits_indices]  # [B,R,E]
         x = self.norm(x)
         if self.config.tie_word_embeddings:
             emb = self.embed_tokens.embedding[...]

@@ -1,0 +1,153 @@
+"""`LLM`: offline batched generation in vLLM's shape.
+
+llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+import models
+from jax_paged.engine import EngineConfig, LLMEngine
+from jax_paged.outputs import RequestOutput
+from jax_paged.sampling_params import SamplingParams
+
+logger = logging.getLogger("jax_paged")
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
+
+
+class LLM:
+    """A model plus an engine.
+
+    Args:
+      model: an HF model folder, a ``.gguf`` file, an orbax checkpoint folder written by
+        `models.save_checkpoint`, None for the embedded SmolLM2, or an already loaded
+        `models.LoadedModel`.
+      dtype: "float32" or "bfloat16" ("auto" = float32).
+      **engine_kwargs: `EngineConfig` fields: block_size (16), num_kv_blocks,
+        kv_cache_memory_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
+        max_num_batched_tokens, max_decode_steps, seed, attention_impl.
+    """
+
+    def __init__(self, model: Any = None, *, dtype: str = "float32", **engine_kwargs):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} must be one of {sorted(_DTYPES)}")
+        unknown = set(engine_kwargs) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(
+                f"unknown LLM arguments {sorted(unknown)}; allowed: "
+                f"{sorted(EngineConfig.__dataclass_fields__)}"
+            )
+        if isinstance(model, models.LoadedModel):
+            loaded = model
+        else:
+            loaded = models.load(model, dtype=_DTYPES[dtype])
+        self.engine = LLMEngine(loaded, EngineConfig(**engine_kwargs))
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self.engine.get_metrics()
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable = False,
+    ) -> list[RequestOutput]:
+        """Generates completions for every prompt; returns one `RequestOutput` per prompt, in
+        input order. A prompt that cannot be served gets an output with ``error`` set (and no
+        completions); the others are unaffected.
+
+        Prompts are strings or ``{"prompt_token_ids": [...]}``; ``sampling_params`` is one
+        `SamplingParams` for all or a list with one per prompt.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+                )
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | Callable = False,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation (a list of
+        ``{"role", "content"}``) or a list of conversations, then generates."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {
+                "prompt_token_ids": self.tokenizer.apply_chat_template(
+                    c, add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+            }
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
+        engine = self.engine
+        ids, results = [], {}
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = f"gen-{self._counter}"
+            self._counter += 1
+            ids.append(rid)
+            try:
+                engine.add_request(rid, prompt, p)
+            except ValueError as e:
+                results[rid] = _error_output(rid, prompt, str(e))
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            factory = use_tqdm if callable(use_tqdm) else tqdm
+            bar = factory(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            bar.update(len(results))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+                        m = engine.get_metrics()
+                        bar.set_postfix_str(f"{m['generation_tokens_per_s']:.1f} tok/s")
+        if bar is not None:
+            bar.close()
+        return [results[r] for r in ids]
+
+
+def _error_output(rid: str, prompt, message: str) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else None
+    return RequestOutput(
+        request_id=rid,
+        prompt=text,
+        prompt_token_ids=[],
+        prompt_logprobs=None,
+        outputs=[],
+        finished=True,
+        error=message,
+    )

@@ -1,0 +1,375 @@
+"""The device side of the engine: jit-compiled steps over the paged KV cache.
+
+Two compiled programs, each specialised to a few padded shapes (buckets):
+
+- `mixed_step`: one forward over a flattened ragged batch of ``T`` tokens from ``B`` rows
+  (prefill chunks and decode tokens mixed), then sampling at each row's last token.
+- `decode_loop`: up to ``num_steps`` decode steps in one ``lax.while_loop`` (all on the device:
+  block reservation, forward, sampling, stop checks); the host syncs once per call.
+
+Both take and return the whole device state as one `DeviceState` pytree, donated so the KV pages
+and the block manager are updated in place::
+
+    DeviceState(kv, blocks, sampling)   kv: KVCache [L, KVH, N, bs, D]
+                                        blocks: BlockManagerState (S slots)
+                                        sampling: SamplingState (S rows, indexed by slot)
+
+A batch row ``b`` runs the sequence in block-manager slot ``row_slot[b]``. Rows past
+``num_rows`` are padding: they reserve nothing, attend to nothing (``kv_lens = 0``) and write
+their K/V into the null block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax import lax
+
+from jax_paged import block_manager as bm
+from jax_paged import kv_cache as kvc
+from jax_paged import sampling
+from pallas_kernels import paged_attention
+
+
+@struct.dataclass
+class DeviceState:
+    """Everything that lives on the device between steps.
+
+    Attributes:
+      kv: the K/V pages, ``[L, KVH, N, bs, D]`` each.
+      blocks: block tables, refcounts and free pool (``S`` sequence slots).
+      sampling: per-slot sampling history (``num_generated``, optional penalty counts).
+    """
+
+    kv: kvc.KVCache
+    blocks: bm.BlockManagerState
+    sampling: sampling.SamplingState
+
+
+@struct.dataclass
+class MixedBatch:
+    """Host-built inputs of one `mixed_step`, padded to ``T`` tokens and ``B`` rows.
+
+    Attributes:
+      tokens: i32[T] input tokens, row after row. positions: i32[T] their positions.
+      token_row: i32[T] the row of each token (padding tokens: -1).
+      cu_q_lens: i32[B+1] row b owns tokens ``cu_q_lens[b]:cu_q_lens[b+1]``.
+      num_rows: i32[] live rows.
+      row_slot: i32[B] block-manager slot of each row (padding rows: -1).
+      last_idx: i32[B] index of each row's last token (where its logits are taken).
+      samples: bool[B] the row's chunk ends its sequence, so a token is sampled.
+      num_new: i32[S] tokens to reserve per slot. free_mask: bool[S] slots freed first.
+      next_tokens: i32[T] for prompt log-probs: the token after each input token (-1 if none).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    token_row: jax.Array
+    cu_q_lens: jax.Array
+    num_rows: jax.Array
+    row_slot: jax.Array
+    last_idx: jax.Array
+    samples: jax.Array
+    num_new: jax.Array
+    free_mask: jax.Array
+    next_tokens: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """Static attention settings handed to `pallas_kernels.paged_attention`."""
+
+    scale: float
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    impl: str = "auto"
+    interpret: bool = False
+
+
+def _gather_rows(tree, idx):
+    """Rows ``idx`` of every [S, ...] leaf (idx clipped; padding rows read slot 0)."""
+    return jax.tree.map(lambda a: a[jnp.clip(idx, 0, a.shape[0] - 1)], tree)
+
+
+def _scatter_rows(tree, rows, idx, valid):
+    """Writes ``rows`` back at ``idx`` where ``valid`` (others dropped)."""
+
+    def put(a, r):
+        i = jnp.where(valid, idx, a.shape[0])
+        return a.at[i].set(r, mode="drop")
+
+    return jax.tree.map(put, tree, rows)
+
+
+def _copy_on_write(kv, res: bm.Reservation):
+    return lax.cond(
+        jnp.any(res.cow_src != res.cow_dst),
+        lambda kv: kvc._copy_blocks(kv, res.cow_src, res.cow_dst),
+        lambda kv: kv,
+        kv,
+    )
+
+
+def _paged_attn(opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens, num_rows):
+    """The model's attention function for a flattened ragged batch (``B == 1`` in the model)."""
+
+    def attn(layer, q, k, v, kv):
+        kv = kvc._write(kv, layer, k[0], v[0], slots)
+        out = paged_attention(
+            q[0],
+            kv.k[layer],
+            kv.v[layer],
+            block_tables,
+            kv_lens,
+            cu_q_lens,
+            num_rows,
+            scale=opts.scale,
+            sliding_window=opts.sliding_window,
+            soft_cap=opts.soft_cap,
+            impl=opts.impl,
+            interpret=opts.interpret,
+        )
+        return out[None], kv
+
+    return attn
+
+
+def _decode_attn(opts: AttentionOptions, slots, block_tables, kv_lens):
+    """Attention for one decode token per row (the model sees ``[1, B]``)."""
+
+    def attn(layer, q, k, v, kv):
+        kv = kvc._write(kv, layer, k[0], v[0], slots)
+        out = paged_attention(
+            q[0],
+            kv.k[layer],
+            kv.v[layer],
+            block_tables,
+            kv_lens,
+            scale=opts.scale,
+            sliding_window=opts.sliding_window,
+            soft_cap=opts.soft_cap,
+            impl=opts.impl,
+            interpret=opts.interpret,
+        )
+        return out[None], kv
+
+    return attn
+
+
+class StepOutput(struct.PyTreeNode):
+    """Per-row results of a `mixed_step` (``N`` top log-probs, ``T`` tokens)."""
+
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B]
+    ranks: jax.Array  # i32[B]
+    top_ids: jax.Array  # i32[B, N]
+    top_logprobs: jax.Array  # f32[B, N]
+    num_free: jax.Array  # i32[] free blocks after the step
+    prompt_lp: Any = None  # (f32[T], i32[T], i32[T, K], f32[T, K]) or None
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "opts", "num_top_logprobs", "prompt_logprobs_k"),
+    donate_argnames=("state",),
+)
+def mixed_step(
+    params,
+    state: DeviceState,
+    batch: MixedBatch,
+    tensors: sampling.SamplingTensors,
+    key: jax.Array,
+    *,
+    graphdef,
+    opts: AttentionOptions,
+    num_top_logprobs: int = 0,
+    prompt_logprobs_k: int = -1,
+) -> tuple[DeviceState, StepOutput]:
+    """One forward over a ragged batch; ``tensors`` has one row per batch row.
+
+    Order on the device: free the slots in ``free_mask``; reserve ``num_new`` tokens per slot
+    (copy-on-write applied to the pages); write each token's K/V at its slot and attend through
+    the block tables; sample at each row's last token where ``samples``.
+    """
+    model = nnx.merge(graphdef, params)
+    blocks = bm.free(state.blocks, batch.free_mask)
+    blocks, res = bm.reserve(blocks, batch.num_new)
+    kv = _copy_on_write(state.kv, res)
+
+    b = batch.row_slot.shape[0]
+    row_valid = jnp.arange(b) < batch.num_rows
+    row_slot = jnp.where(row_valid, batch.row_slot, -1)
+    tok_slot = jnp.where(batch.token_row >= 0, row_slot[jnp.clip(batch.token_row, 0)], -1)
+    slots = bm.token_slots(blocks, tok_slot, batch.positions)
+    safe_slot = jnp.clip(row_slot, 0)
+    block_tables = blocks.block_tables[safe_slot]
+    kv_lens = jnp.where(row_valid, blocks.seq_lens[safe_slot], 0)
+
+    attn = _paged_attn(opts, slots, block_tables, kv_lens, batch.cu_q_lens, batch.num_rows)
+    hidden_idx = batch.last_idx if prompt_logprobs_k < 0 else None
+    logits, kv = model.forward(
+        batch.tokens[None], batch.positions[None], attn, kv, logits_indices=hidden_idx
+    )
+    logits = logits[0]
+    prompt_lp = None
+    if prompt_logprobs_k >= 0:
+        safe_next = jnp.clip(batch.next_tokens, 0)
+        prompt_lp = sampling.compute_prompt_logprobs(logits, safe_next, prompt_logprobs_k)
+        logits = logits[batch.last_idx]
+
+    rows = _gather_rows(state.sampling, safe_slot)
+    out = sampling.sample(logits, tensors, rows, key, num_top_logprobs=num_top_logprobs)
+    active = row_valid & batch.samples
+    rows = sampling.update_counts(rows, out.tokens, active)
+    samp = _scatter_rows(state.sampling, rows, row_slot, active)
+    new_state = DeviceState(kv=kv, blocks=blocks, sampling=samp)
+    return new_state, StepOutput(
+        tokens=out.tokens,
+        logprobs=out.logprobs,
+        ranks=out.ranks,
+        top_ids=out.top_ids,
+        top_logprobs=out.top_logprobs,
+        num_free=bm.num_free_blocks(blocks),
+        prompt_lp=prompt_lp,
+    )
+
+
+class DecodeOutput(struct.PyTreeNode):
+    """Results of a `decode_loop` over ``K`` steps of ``B`` rows."""
+
+    tokens: jax.Array  # i32[K, B], -1 where the row did not run
+    logprobs: jax.Array  # f32[K, B]
+    ranks: jax.Array  # i32[K, B]
+    top_ids: jax.Array  # i32[K, B, N]
+    top_logprobs: jax.Array  # f32[K, B, N]
+    num_steps: jax.Array  # i32[] steps run
+    num_free: jax.Array  # i32[]
+
+
+def decode_step(
+    model,
+    state: DeviceState,
+    last_tokens: jax.Array,
+    row_slot: jax.Array,
+    active: jax.Array,
+    tensors: sampling.SamplingTensors,
+    key: jax.Array,
+    *,
+    opts: AttentionOptions,
+    num_top_logprobs: int = 0,
+):
+    """One decode token for every active row: reserve, forward, sample. Pure and jittable.
+
+    Args:
+      model: the NNX model (merged inside the caller's trace).
+      state: the device state.
+      last_tokens: i32[B] each row's newest token (its K/V is not yet in the cache).
+      row_slot: i32[B] the block-manager slot of each row.
+      active: bool[B] rows that decode (others are untouched).
+      tensors: sampling parameters, one row per batch row.
+      key: the engine's base key.
+
+    Returns:
+      (state, sampler output, ok bool[B]): rows whose reservation failed (pool exhausted) are
+      not ``ok`` and sample nothing.
+    """
+    s = state.blocks.max_seqs
+    safe_slot = jnp.clip(row_slot, 0, s - 1)
+    num_new = jnp.zeros((s,), jnp.int32).at[jnp.where(active, row_slot, s)].add(1, mode="drop")
+    blocks, res = bm.reserve(state.blocks, num_new)
+    kv = _copy_on_write(state.kv, res)
+    ok = active & res.ok[safe_slot]
+    positions = blocks.seq_lens[safe_slot] - 1
+    slots = bm.token_slots(blocks, jnp.where(ok, row_slot, -1), positions)
+    block_tables = blocks.block_tables[safe_slot]
+    kv_lens = jnp.where(ok, blocks.seq_lens[safe_slot], 0)
+    attn = _decode_attn(opts, slots, block_tables, kv_lens)
+    logits, kv = model.forward(last_tokens[None], jnp.maximum(positions, 0)[None], attn, kv)
+    rows = _gather_rows(state.sampling, safe_slot)
+    out = sampling.sample(logits[0], tensors, rows, key, num_top_logprobs=num_top_logprobs)
+    rows = sampling.update_counts(rows, out.tokens, ok)
+    samp = _scatter_rows(state.sampling, rows, row_slot, ok)
+    return DeviceState(kv=kv, blocks=blocks, sampling=samp), out, ok
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "opts", "max_steps", "num_top_logprobs"),
+    donate_argnames=("state",),
+)
+def decode_loop(
+    params,
+    state: DeviceState,
+    last_tokens: jax.Array,
+    row_slot: jax.Array,
+    active: jax.Array,
+    max_len: jax.Array,
+    tensors: sampling.SamplingTensors,
+    key: jax.Array,
+    num_steps: jax.Array,
+    *,
+    graphdef,
+    opts: AttentionOptions,
+    max_steps: int,
+    num_top_logprobs: int = 0,
+) -> tuple[DeviceState, DecodeOutput]:
+    """Up to ``num_steps`` (<= ``max_steps``) decode steps on the device, no host round trip.
+
+    A row stops after sampling a stop token (EOS unless ignore_eos, its stop_token_ids), on
+    reaching its max_tokens, or when its sequence reaches ``max_len[b]`` tokens (i32[B]). The
+    loop ends early when no row is active. Stop strings are the host's business.
+    """
+    model = nnx.merge(graphdef, params)
+    b = last_tokens.shape[0]
+    n = num_top_logprobs
+    out0 = DecodeOutput(
+        tokens=jnp.full((max_steps, b), -1, jnp.int32),
+        logprobs=jnp.zeros((max_steps, b), jnp.float32),
+        ranks=jnp.zeros((max_steps, b), jnp.int32),
+        top_ids=jnp.zeros((max_steps, b, n), jnp.int32),
+        top_logprobs=jnp.zeros((max_steps, b, n), jnp.float32),
+        num_steps=jnp.int32(0),
+        num_free=jnp.int32(0),
+    )
+
+    def cond(carry):
+        _, _, active, out = carry
+        return (out.num_steps < num_steps) & jnp.any(active)
+
+    def body(carry):
+        state, last, active, out = carry
+        state, smp, ok = decode_step(
+            model, state, last, row_slot, active, tensors, key, opts=opts, num_top_logprobs=n
+        )
+        i = out.num_steps
+        seq_len = state.blocks.seq_lens[jnp.clip(row_slot, 0, state.blocks.max_seqs - 1)]
+        rows = _gather_rows(state.sampling, row_slot)
+        stop = (
+            sampling.is_stop_token(tensors, smp.tokens)
+            | sampling.reached_max_tokens(tensors, rows)
+            | (seq_len + 1 >= max_len)
+        )
+        out = out.replace(
+            tokens=out.tokens.at[i].set(jnp.where(ok, smp.tokens, -1)),
+            logprobs=out.logprobs.at[i].set(smp.logprobs),
+            ranks=out.ranks.at[i].set(smp.ranks),
+            top_ids=out.top_ids.at[i].set(smp.top_ids),
+            top_logprobs=out.top_logprobs.at[i].set(smp.top_logprobs),
+            num_steps=i + 1,
+        )
+        last = jnp.where(ok, smp.tokens, last)
+        return state, last, ok & ~stop, out
+
+    state, _, _, out = lax.while_loop(cond, body, (state, last_tokens, active, out0))
+    return state, out.replace(num_free=bm.num_free_blocks(state.blocks))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def free_slots(state: DeviceState, mask: jax.Array) -> DeviceState:
+    """Frees the sequences in the slots ``mask`` (bool[S])."""
+    return state.replace(blocks=bm.free(state.blocks, mask))
