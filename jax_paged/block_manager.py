@@ -1,0 +1,656 @@
+"""The functional block manager: KV-cache blocks, block tables, refcounts, copy-on-write and the
+prefix cache as a pytree of JAX arrays changed only by pure, vectorised functions.
+
+Every op is `op(state, ...) -> (state, results...)`, jittable, usable inside `lax.scan` and
+`while_loop`, and vectorised over the batch with cumsums and scatters: the per-step cost grows
+with the number of sequence slots `S` and blocks per sequence `P`, not with the pool size `N`
+(see "Costs" below for the one exception, eviction from the prefix cache).
+
+How tokens map to blocks and slots (block_size bs = 4, sequence in slot 2)::
+
+    tokens (positions)   0  1  2  3 | 4  5  6  7 | 8  9
+    logical block        0           1            2         (seq_lens[2] = 10)
+    block_tables[2]    [ 7,          3,           9,   0, 0 ]  (unused entries hold 0)
+    slot of position p = block_tables[2, p // bs] * bs + p % bs
+    position 9        -> block 9, offset 1 -> slot 37
+
+Physical block 0 is the null block (`NULL_BLOCK`): it is never handed out, unused table entries
+point at it, and padding tokens write into it (their slot is 0).
+
+Where the blocks live::
+
+    in use:     ref_counts[b] > 0; b appears in ref_counts[b] block-table rows of live slots.
+    free:       ref_counts[b] == 0, b not cached; b is in free_stack[:num_free] (LIFO).
+    evictable:  ref_counts[b] == 0, b cached (a full block whose K/V may be reused by a later
+                prompt with the same prefix); found by prefix match, evicted least recently
+                freed first (`lru_stamp`) when the free stack runs dry.
+
+The cache holds no references: refcount == number of block-table entries pointing at the block.
+
+Allocation order (`reserve`): requests are granted first come, first served in `priority`
+order (default: slot order), as a prefix. Walking the requests in that order, each one that
+needs blocks is granted while the running total of blocks needed still fits in
+`num_free_blocks`; once one does not fit, no later request that needs blocks is granted (no
+overtaking). Requests that need no block (decode inside a private partial block) always
+succeed. Granted sequences take their blocks in grant order from the top of the free stack
+(the copy-on-write block first, then the new logical blocks in order); when the stack runs
+short, the least recently freed cached blocks are evicted onto it first.
+
+Prefix cache: a full block's key is a 32-bit hash of its tokens chained with its parent's key
+(`block_hashes`), stored in a direct-mapped table of `hash_table_size` buckets. The hash only
+finds a candidate: a match also checks the block's stored tokens and that its stored parent is
+the block matched one position earlier, so by induction the whole prefix is equal token for
+token and a hash or bucket collision can only cost a miss, never give a request another
+request's K/V. (Parents outlive their cached children: a block's refcount is never below its
+cached child's, and within one `free` deeper logical blocks get the older stamps.)
+
+Costs: reserve, token_slots, free, fork, match and insert are O(S * P) (plus O(M * P * bs)
+token compares for match/insert). Evicting cached blocks is O(N log k) per `evict_chunk`
+blocks (`lax.top_k` over the pool) and runs only when the free stack cannot cover a grant.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+NULL_BLOCK = 0
+
+_I32_MIN = np.iinfo(np.int32).min
+_I32_MAX = np.iinfo(np.int32).max
+_MIX_A = 0x85EBCA6B
+_MIX_B = 0xC2B2AE35
+_TOKEN_STEP = 0x9E3779B9
+_CHAIN = 0x01000193  # odd, so invertible mod 2**32
+
+
+@struct.dataclass
+class BlockManagerState:
+    """Block tables, refcounts, free pool and prefix cache of a paged KV cache.
+
+    Attributes:
+      block_tables: i32[S, P] physical block of each logical block of each slot (0 = none).
+      seq_lens: i32[S] tokens with reserved K/V slots per slot (0 for free slots).
+      live: bool[S] the slot holds a sequence.
+      ref_counts: i32[N] block-table entries pointing at each block.
+      free_stack: i32[N] free, uncached block ids in `free_stack[:num_free]`; top = next out.
+      num_free: i32[] size of the free stack.
+      num_evictable: i32[] cached blocks with refcount 0 (reusable after eviction).
+      cached: bool[N] block is in the prefix cache (full, keyed, findable by `match_prefix`).
+      block_hash: u32[N] chained key of a cached block (`block_hashes`).
+      block_parent: i32[N] physical block before a cached block in its sequence (0 for roots).
+      block_tokens: i32[N, bs] token ids of a cached block (verified on every match).
+      lru_stamp: i32[N] for evictable blocks, when they were freed (smaller = evicted sooner);
+        unspecified for other blocks.
+      clock: i32[] next stamp.
+      hash_table: i32[H] direct-mapped bucket -> cached block id (0 = empty); H a power of two.
+      block_size: static tokens per block.
+      evict_chunk: static blocks evicted per `lax.top_k` round.
+    """
+
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    live: jax.Array
+    ref_counts: jax.Array
+    free_stack: jax.Array
+    num_free: jax.Array
+    num_evictable: jax.Array
+    cached: jax.Array
+    block_hash: jax.Array
+    block_parent: jax.Array
+    block_tokens: jax.Array
+    lru_stamp: jax.Array
+    clock: jax.Array
+    hash_table: jax.Array
+    block_size: int = struct.field(pytree_node=False, default=16)
+    evict_chunk: int = struct.field(pytree_node=False, default=256)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ref_counts.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+
+class Reservation(NamedTuple):
+    """What `reserve` tells the scheduler and the KV cache.
+
+    Attributes:
+      ok: bool[S] the slot got room for all its new tokens, or asked for none. False: the slot
+        is untouched (preempt it, or retry later).
+      cow_src, cow_dst: i32[S] copy block `cow_src` into `cow_dst` (`KVCache.copy_blocks`)
+        before writing; (0, 0) = no copy.
+    """
+
+    ok: jax.Array
+    cow_src: jax.Array
+    cow_dst: jax.Array
+
+
+def init_state(
+    num_blocks: int,
+    block_size: int,
+    max_seqs: int,
+    max_blocks_per_seq: int,
+    *,
+    hash_table_size: int | None = None,
+    evict_chunk: int = 256,
+) -> BlockManagerState:
+    """An empty manager: all blocks but the null block free; they come out as 1, 2, 3, ..."""
+    if num_blocks < 2:
+        raise ValueError(f"{num_blocks=} must be >= 2 (block 0 is the null block)")
+    if block_size < 1 or max_seqs < 1 or max_blocks_per_seq < 1:
+        raise ValueError(f"{block_size=}, {max_seqs=}, {max_blocks_per_seq=} must be >= 1")
+    if hash_table_size is None:
+        hash_table_size = 1 << int(np.ceil(np.log2(2 * num_blocks)))
+    if hash_table_size < 1 or hash_table_size & (hash_table_size - 1):
+        raise ValueError(f"{hash_table_size=} must be a power of two")
+    if evict_chunk < 1:
+        raise ValueError(f"{evict_chunk=} must be >= 1")
+    n = num_blocks
+    stack = np.zeros(n, np.int32)
+    stack[: n - 1] = np.arange(n - 1, 0, -1)  # top of stack (index n-2) is block 1
+    return BlockManagerState(
+        block_tables=jnp.zeros((max_seqs, max_blocks_per_seq), jnp.int32),
+        seq_lens=jnp.zeros(max_seqs, jnp.int32),
+        live=jnp.zeros(max_seqs, bool),
+        ref_counts=jnp.zeros(n, jnp.int32),
+        free_stack=jnp.asarray(stack),
+        num_free=jnp.int32(n - 1),
+        num_evictable=jnp.int32(0),
+        cached=jnp.zeros(n, bool),
+        block_hash=jnp.zeros(n, jnp.uint32),
+        block_parent=jnp.zeros(n, jnp.int32),
+        block_tokens=jnp.zeros((n, block_size), jnp.int32),
+        lru_stamp=jnp.zeros(n, jnp.int32),
+        clock=jnp.int32(0),
+        hash_table=jnp.zeros(hash_table_size, jnp.int32),
+        block_size=block_size,
+        evict_chunk=min(evict_chunk, n),
+    )
+
+
+def num_free_blocks(state: BlockManagerState) -> jax.Array:
+    """i32[]: blocks a reservation can take now (free stack + evictable cached blocks)."""
+    return state.num_free + state.num_evictable
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _excl_cumsum(x):
+    c = jnp.cumsum(x)
+    return c - x
+
+
+def _first_occurrence(scratch, ids, valid, order, drop):
+    """Marks, among valid entries sharing an id, the one with the smallest `order`.
+
+    `scratch` is an array indexed by id whose values at the valid ids are dead (overwritten);
+    `drop` is an out-of-bounds index. Returns (scratch, first bool like ids).
+    """
+    idx = jnp.where(valid, ids, drop)
+    scratch = scratch.at[idx].set(_I32_MAX, mode="drop")
+    scratch = scratch.at[idx].min(order, mode="drop")
+    first = valid & (scratch[jnp.clip(ids, 0, scratch.shape[0] - 1)] == order)
+    return scratch, first
+
+
+# ---------------------------------------------------------------------------------------------
+# Hashing.
+
+
+def _mix32(x):
+    """murmur3's 32-bit finaliser (uint32 in, uint32 out)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(_MIX_A)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(_MIX_B)
+    return x ^ (x >> 16)
+
+
+def block_hashes(tokens: jax.Array, block_size: int) -> jax.Array:
+    """Chained keys of the full blocks of token rows.
+
+    tokens: i32[..., K * block_size] -> u32[..., K]. With d_j a mix of block j's tokens and their
+    offsets, the chain is H_j = H_{j-1} * C + d_j (mod 2**32, H_{-1} = 0), key_j = mix(H_j). The
+    chain is linear, so all keys come from one cumsum: H_j = C**j * sum_{k<=j} d_k * C**-k.
+    """
+    *lead, length = tokens.shape
+    k = length // block_size
+    t = tokens[..., : k * block_size].reshape(*lead, k, block_size).astype(jnp.uint32)
+    offs = jnp.arange(block_size, dtype=jnp.uint32) * jnp.uint32(_TOKEN_STEP)
+    d = _mix32(t + offs).sum(-1, dtype=jnp.uint32)
+    d = _mix32(d)
+    c_pow = np.ones(k, np.uint64)
+    c_inv_pow = np.ones(k, np.uint64)
+    c_inv = pow(_CHAIN, -1, 1 << 32)
+    for j in range(1, k):
+        c_pow[j] = (int(c_pow[j - 1]) * _CHAIN) & 0xFFFFFFFF
+        c_inv_pow[j] = (int(c_inv_pow[j - 1]) * c_inv) & 0xFFFFFFFF
+    c_pow = jnp.asarray(c_pow.astype(np.uint32))
+    c_inv_pow = jnp.asarray(c_inv_pow.astype(np.uint32))
+    h = jnp.cumsum(d * c_inv_pow, axis=-1, dtype=jnp.uint32) * c_pow
+    return _mix32(h)
+
+
+def _bucket(keys, table_size):
+    return (keys & jnp.uint32(table_size - 1)).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eviction.
+
+
+def _evict(state: BlockManagerState, count) -> BlockManagerState:
+    """Moves the `count` least recently freed evictable blocks onto the free stack.
+
+    The oldest ends on top (handed out first). Requires count <= num_evictable. Runs
+    ceil(count / evict_chunk) rounds of `lax.top_k` over the pool; zero rounds when count == 0.
+    """
+    n = state.num_blocks
+    k = state.evict_chunk
+    hsize = state.hash_table.shape[0]
+    base = state.num_free
+    ar = jnp.arange(k, dtype=jnp.int32)
+
+    def cond(carry):
+        _, done = carry
+        return done < count
+
+    def body(carry):
+        st, done = carry
+        evictable = st.cached & (st.ref_counts == 0)
+        key = jnp.where(evictable, -st.lru_stamp, _I32_MIN)
+        _, idx = jax.lax.top_k(key, k)
+        idx = idx.astype(jnp.int32)
+        rank = done + ar  # global age rank, 0 = oldest
+        take = rank < count
+        pos = jnp.where(take, base + count - 1 - rank, n)
+        drop_idx = jnp.where(take, idx, n)
+        st = st.replace(
+            free_stack=st.free_stack.at[pos].set(idx, mode="drop"),
+            cached=st.cached.at[drop_idx].set(False, mode="drop"),
+            hash_table=st.hash_table.at[
+                jnp.where(take, _bucket(st.block_hash[idx], hsize), hsize)
+            ].set(0, mode="drop"),
+        )
+        return st, done + k
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+    return state.replace(num_free=state.num_free + count, num_evictable=state.num_evictable - count)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reserve and slots.
+
+
+def blocks_needed(state: BlockManagerState, num_new: jax.Array) -> jax.Array:
+    """i32[S]: blocks `reserve(state, num_new)` would take per slot (copy-on-write counted;
+    the last of several sharers all writing at once may take one fewer). 0 if it cannot fit in
+    the block table at all."""
+    return _plan(state, num_new)[4]
+
+
+def _plan(state, num_new):
+    s, p = state.block_tables.shape
+    bs = state.block_size
+    num_new = jnp.maximum(jnp.asarray(num_new, jnp.int32), 0)
+    want = num_new > 0
+    lens = state.seq_lens
+    old_nb = _cdiv(lens, bs)
+    new_len = lens + num_new
+    new_nb = _cdiv(new_len, bs)
+    valid = want & (new_nb <= p)
+    last = jnp.take_along_axis(state.block_tables, jnp.clip(old_nb - 1, 0, p - 1)[:, None], 1)
+    last = last[:, 0]
+    cow = valid & (lens % bs != 0) & (state.ref_counts[last] > 1)
+    need = jnp.where(valid, new_nb - old_nb + cow, 0)
+    del s
+    return want, valid, old_nb, new_nb, need, cow, last, new_len
+
+
+def reserve(
+    state: BlockManagerState, num_new: jax.Array, *, priority: jax.Array | None = None
+) -> tuple[BlockManagerState, Reservation]:
+    """Makes room for `num_new[s]` more tokens in each slot s (0 = untouched).
+
+    A free slot with num_new > 0 becomes live (an empty sequence that grows). Blocks are taken
+    only where a sequence crosses into a new block; writing into a shared partial last block
+    first gives the sequence a private copy (copy-on-write; the pair is returned). When every
+    sharer of a partial block writes in the same call, the lowest slot keeps the original.
+
+    All or nothing per sequence, granted in `priority` order (i32[S], smaller first, ties by
+    slot; default slot order) as described in the module docstring. A request past the block
+    table (`max_blocks_per_seq`) fails. Running out of blocks is reported in `ok`, never
+    corrupts the state.
+
+    Example (bs = 4, free stack top 5, 6, ...; slot 0 holds 3 tokens in block 2, rc 1)::
+
+        num_new = [3, 5]    slot 0: tokens 3..5 -> fills block 2, takes block 5
+                            slot 1 (free): tokens 0..4 -> takes blocks 6, 7
+    """
+    s, p = state.block_tables.shape
+    n = state.num_blocks
+    want, valid, old_nb, new_nb, need, cow, last, new_len = _plan(state, num_new)
+    slots = jnp.arange(s, dtype=jnp.int32)
+    order = slots if priority is None else jnp.argsort(priority, stable=True).astype(jnp.int32)
+    cum = jnp.zeros(s, jnp.int32).at[order].set(jnp.cumsum(need[order]))
+    granted = valid & ((need == 0) | (cum <= num_free_blocks(state)))
+
+    # Copy-on-write; if all sharers of a block write now, the lowest slot keeps it.
+    cow_g = cow & granted
+    rc = state.ref_counts.at[jnp.where(cow_g, last, n)].add(-1, mode="drop")
+    all_cow = cow_g & (rc[last] == 0)
+    stamp, keeper = _first_occurrence(state.lru_stamp, last, all_cow, slots, n)
+    rc = rc.at[jnp.where(keeper, last, n)].add(1, mode="drop")
+    do_cow = cow_g & ~keeper
+
+    take = jnp.where(granted, new_nb - old_nb + do_cow, 0)
+    off = jnp.zeros(s, jnp.int32).at[order].set(_excl_cumsum(take[order]))
+    total = take.sum()
+    state = state.replace(ref_counts=rc, lru_stamp=stamp)
+    state = _evict(state, jnp.clip(total - state.num_free, 0, state.num_evictable))
+    top = state.num_free
+    stack = state.free_stack
+
+    def pop(rank):
+        return stack[jnp.clip(top - 1 - rank, 0, n - 1)]
+
+    j = jnp.arange(p, dtype=jnp.int32)[None, :]
+    is_new = granted[:, None] & (j >= old_nb[:, None]) & (j < new_nb[:, None])
+    new_blk = pop(off[:, None] + do_cow[:, None] + j - old_nb[:, None])
+    bt = jnp.where(is_new, new_blk, state.block_tables)
+    dst = jnp.where(do_cow, pop(off), 0)
+    src = jnp.where(do_cow, last, 0)
+    is_last = do_cow[:, None] & (j == (old_nb - 1)[:, None])
+    bt = jnp.where(is_last, dst[:, None], bt)
+    rc = state.ref_counts.at[jnp.where(is_new, new_blk, n)].set(1, mode="drop")
+    rc = rc.at[jnp.where(do_cow, dst, n)].set(1, mode="drop")
+    state = state.replace(
+        block_tables=bt,
+        seq_lens=jnp.where(granted, new_len, state.seq_lens),
+        live=state.live | granted,
+        ref_counts=rc,
+        num_free=top - total,
+    )
+    return state, Reservation(ok=granted | ~want, cow_src=src, cow_dst=dst)
+
+
+def token_slots(state: BlockManagerState, seq_idx: jax.Array, positions: jax.Array) -> jax.Array:
+    """i32[T] KV slot of each (sequence slot, position) pair: `bt[p // bs] * bs + p % bs`.
+
+    Pairs outside the slot range or outside [0, seq_lens[seq]) (padding) get slot 0, a slot of
+    the null block.
+    """
+    s, p = state.block_tables.shape
+    bs = state.block_size
+    seq_idx = jnp.asarray(seq_idx, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    seq_c = jnp.clip(seq_idx, 0, s - 1)
+    valid = (seq_idx >= 0) & (seq_idx < s) & (positions >= 0)
+    valid &= positions < state.seq_lens[seq_c]
+    blk = state.block_tables[seq_c, jnp.clip(positions // bs, 0, p - 1)]
+    return jnp.where(valid, blk * bs + positions % bs, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Free and fork.
+
+
+def free(state: BlockManagerState, mask: jax.Array) -> BlockManagerState:
+    """Ends the sequences of the live slots in `mask` (bool[S]); other slots are untouched.
+
+    Blocks whose refcount reaches 0 go onto the free stack, or, if cached, become evictable.
+    Both in the order (logical block descending, then slot ascending): a freed sequence's
+    uncached blocks come back out in table order, and cached blocks deeper in a sequence are
+    evicted before the blocks they extend (so a cached block's parent outlives it).
+    """
+    s, p = state.block_tables.shape
+    n = state.num_blocks
+    bs = state.block_size
+    m = jnp.asarray(mask, bool) & state.live
+    bt = state.block_tables
+    j = jnp.arange(p, dtype=jnp.int32)[None, :]
+    ent = m[:, None] & (j < _cdiv(state.seq_lens, bs)[:, None])
+    rc = state.ref_counts.at[jnp.where(ent, bt, n)].add(-1, mode="drop")
+    zero = ent & (rc[bt] == 0)
+    # Entries in release order: logical block descending, then slot ascending. Deeper blocks
+    # first, so a cached child always gets an older stamp than its parent (evicted first).
+    zero_r, bt_r = zero.T[::-1].reshape(-1), bt.T[::-1].reshape(-1)
+    e = jnp.arange(s * p, dtype=jnp.int32)
+    stamp, first = _first_occurrence(state.lru_stamp, bt_r, zero_r, e, n)
+    was_cached = state.cached[bt_r]
+    push = first & ~was_cached
+    ev = first & was_cached
+    stack = state.free_stack.at[jnp.where(push, state.num_free + _excl_cumsum(push), n)].set(
+        bt_r, mode="drop"
+    )
+    stamp = stamp.at[jnp.where(ev, bt_r, n)].set(state.clock + _excl_cumsum(ev), mode="drop")
+    n_push = push.sum(dtype=jnp.int32)
+    n_ev = ev.sum(dtype=jnp.int32)
+    return state.replace(
+        block_tables=jnp.where(m[:, None], 0, bt),
+        seq_lens=jnp.where(m, 0, state.seq_lens),
+        live=state.live & ~m,
+        ref_counts=rc,
+        free_stack=stack,
+        num_free=state.num_free + n_push,
+        num_evictable=state.num_evictable + n_ev,
+        lru_stamp=stamp,
+        clock=state.clock + n_ev,
+    )
+
+
+def fork(
+    state: BlockManagerState, parent: jax.Array, child: jax.Array
+) -> tuple[BlockManagerState, jax.Array]:
+    """Copies live slot `parent[i]` into free slot `child[i]` (n>1 sampling, beams).
+
+    The child shares every block of the parent (refcounts go up); the first write into a shared
+    partial last block copies it (see `reserve`). Returns ok bool[M]: False for pairs out of
+    range (use -1 to pad), with a dead parent, a live child, or a child repeated earlier in
+    the list; those pairs do nothing.
+    """
+    s, p = state.block_tables.shape
+    n = state.num_blocks
+    parent = jnp.asarray(parent, jnp.int32)
+    child = jnp.asarray(child, jnp.int32)
+    mm = parent.shape[0]
+    pc = jnp.clip(parent, 0, s - 1)
+    cc = jnp.clip(child, 0, s - 1)
+    ok = (parent >= 0) & (parent < s) & (child >= 0) & (child < s)
+    ok &= state.live[pc] & ~state.live[cc]
+    _, ok = _first_occurrence(jnp.zeros(s, jnp.int32), child, ok, jnp.arange(mm), s)
+    rows = state.block_tables[pc]
+    lens = state.seq_lens[pc]
+    j = jnp.arange(p, dtype=jnp.int32)[None, :]
+    ent = ok[:, None] & (j < _cdiv(lens, state.block_size)[:, None])
+    dst = jnp.where(ok, cc, s)
+    return (
+        state.replace(
+            block_tables=state.block_tables.at[dst].set(rows, mode="drop"),
+            seq_lens=state.seq_lens.at[dst].set(lens, mode="drop"),
+            live=state.live.at[dst].set(True, mode="drop"),
+            ref_counts=state.ref_counts.at[jnp.where(ent, rows, n)].add(1, mode="drop"),
+        ),
+        ok,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefix cache.
+
+
+def match_prefix(
+    state: BlockManagerState, slots: jax.Array, tokens: jax.Array, num_tokens: jax.Array
+) -> tuple[BlockManagerState, jax.Array, jax.Array]:
+    """Starts sequences in free slots from the longest cached prefix of their prompts.
+
+    slots: i32[M] free slots (-1 = padding row); tokens: i32[M, K] prompts, row i valid up to
+    num_tokens[i]. Matches whole blocks only, and at most (num_tokens - 1) // bs of them, so at
+    least one prompt token is left to compute (its logits are needed). The slot becomes live
+    with the matched blocks (references taken; evictable ones revived) and
+    seq_lens = matched blocks * bs, even when nothing matched.
+
+    Returns (state, num_cached_tokens i32[M], ok bool[M]); rows with ok False (slot out of
+    range, live, or repeated) change nothing and report 0 cached tokens.
+    """
+    s, p = state.block_tables.shape
+    n = state.num_blocks
+    bs = state.block_size
+    hsize = state.hash_table.shape[0]
+    slots = jnp.asarray(slots, jnp.int32)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    num_tokens = jnp.asarray(num_tokens, jnp.int32)
+    mm, length = tokens.shape
+    k = min(p, length // bs)
+    sc = jnp.clip(slots, 0, s - 1)
+    ok = (slots >= 0) & (slots < s) & ~state.live[sc]
+    _, ok = _first_occurrence(jnp.zeros(s, jnp.int32), slots, ok, jnp.arange(mm), s)
+
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    if k > 0:
+        keys = block_hashes(tokens[:, : k * bs], bs)  # [M, k]
+        cand = state.hash_table[_bucket(keys, hsize)]
+        prev = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), cand[:, :-1]], axis=1)
+        same = (state.block_tokens[cand] == tokens[:, : k * bs].reshape(mm, k, bs)).all(-1)
+        good = (cand != NULL_BLOCK) & state.cached[cand] & (state.block_hash[cand] == keys)
+        good &= same & (state.block_parent[cand] == prev)
+        good &= j < jnp.clip((num_tokens - 1) // bs, 0, k)[:, None]
+        matched = jnp.where(ok, jnp.cumprod(good, axis=1).sum(1, dtype=jnp.int32), 0)
+    else:
+        cand = jnp.zeros((mm, 0), jnp.int32)
+        matched = jnp.zeros(mm, jnp.int32)
+    ent = j < matched[:, None]
+    blocks = jnp.where(ent, cand, 0)
+    revive = ent & (state.ref_counts[cand] == 0)
+    stamp, first = _first_occurrence(
+        state.lru_stamp, cand, revive, jnp.arange(mm * k, dtype=jnp.int32).reshape(mm, k), n
+    )
+    rows = jnp.zeros((mm, p), jnp.int32).at[:, :k].set(blocks)
+    dst = jnp.where(ok, sc, s)
+    state = state.replace(
+        block_tables=state.block_tables.at[dst].set(rows, mode="drop"),
+        seq_lens=state.seq_lens.at[dst].set(matched * bs, mode="drop"),
+        live=state.live.at[dst].set(True, mode="drop"),
+        ref_counts=state.ref_counts.at[jnp.where(ent, cand, n)].add(1, mode="drop"),
+        num_evictable=state.num_evictable - first.sum(dtype=jnp.int32),
+        lru_stamp=stamp,
+    )
+    return state, matched * bs, ok
+
+
+def cache_full_blocks(
+    state: BlockManagerState, slots: jax.Array, tokens: jax.Array, num_tokens: jax.Array
+) -> BlockManagerState:
+    """Adds the full blocks of live sequences to the prefix cache.
+
+    slots: i32[M] live slots (-1 = padding); tokens: i32[M, K] each sequence's tokens from
+    position 0, valid up to num_tokens[i], whose K/V must already be written. Every block fully
+    inside min(num_tokens, seq_lens) and not yet cached is keyed and inserted. A block is only
+    cached if all blocks before it in its sequence are (a chain stops at the first block whose
+    bucket holds another block; on a tie for an empty bucket the highest block id wins).
+    """
+    s, p = state.block_tables.shape
+    n = state.num_blocks
+    bs = state.block_size
+    hsize = state.hash_table.shape[0]
+    slots = jnp.asarray(slots, jnp.int32)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    num_tokens = jnp.asarray(num_tokens, jnp.int32)
+    mm, length = tokens.shape
+    k = min(p, length // bs)
+    if k == 0:
+        return state
+    sc = jnp.clip(slots, 0, s - 1)
+    ok = (slots >= 0) & (slots < s) & state.live[sc]
+    nfull = jnp.minimum(num_tokens, state.seq_lens[sc]) // bs
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    ent = ok[:, None] & (j < nfull[:, None])
+    blocks = state.block_tables[sc, :k]
+    keys = block_hashes(tokens[:, : k * bs], bs)
+    bucket = _bucket(keys, hsize)
+    already = ent & state.cached[blocks]
+    claim = ent & ~already & (state.hash_table[bucket] == 0)
+    table = state.hash_table.at[jnp.where(claim, bucket, hsize)].max(blocks, mode="drop")
+    won = claim & (table[bucket] == blocks)
+    chain = jnp.cumprod(already | won | ~ent, axis=1).astype(bool)
+    commit = won & chain
+    cached = state.cached.at[jnp.where(commit, blocks, n)].set(True, mode="drop")
+    revert = won & ~cached[blocks]
+    table = table.at[jnp.where(revert, bucket, hsize)].set(0, mode="drop")
+    parents = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), blocks[:, :-1]], axis=1)
+    cidx = jnp.where(commit, blocks, n)
+    return state.replace(
+        cached=cached,
+        hash_table=table,
+        block_hash=state.block_hash.at[cidx].set(keys, mode="drop"),
+        block_parent=state.block_parent.at[cidx].set(parents, mode="drop"),
+        block_tokens=state.block_tokens.at[cidx].set(
+            tokens[:, : k * bs].reshape(mm, k, bs), mode="drop"
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side checks.
+
+
+def check_invariants(state: BlockManagerState) -> None:
+    """Asserts the state's invariants on the host (numpy); for tests and debugging."""
+    st = jax.device_get(state)
+    bt = np.asarray(st.block_tables)
+    lens = np.asarray(st.seq_lens)
+    live = np.asarray(st.live)
+    rc = np.asarray(st.ref_counts)
+    cached = np.asarray(st.cached)
+    n = rc.shape[0]
+    s, p = bt.shape
+    bs = st.block_size
+    nf = int(st.num_free)
+    ne = int(st.num_evictable)
+    nb = -(-lens // bs)
+    assert (nb <= p).all(), "sequence longer than its block table"
+    assert (lens[~live] == 0).all() and (bt[~live] == 0).all(), "free slot holds blocks"
+    used = np.arange(p)[None, :] < nb[:, None]
+    assert (bt[used] != NULL_BLOCK).all(), "null block in use"
+    assert (bt[~used] == NULL_BLOCK).all(), "stale block-table entry"
+    counts = np.bincount(bt[used], minlength=n)
+    assert (counts == rc).all(), "refcount != block-table references"
+    for row in bt:
+        r = row[row != 0]
+        assert len(set(r.tolist())) == len(r), "block twice in one table"
+    stack = np.asarray(st.free_stack)[:nf]
+    assert len(set(stack.tolist())) == nf, "block twice on the free stack"
+    on_stack = np.zeros(n, bool)
+    on_stack[stack] = True
+    assert not on_stack[NULL_BLOCK] and rc[NULL_BLOCK] == 0 and not cached[NULL_BLOCK]
+    assert not (on_stack & (rc > 0)).any(), "block free and referenced"
+    assert not (on_stack & cached).any(), "cached block on the free stack"
+    evictable = cached & (rc == 0)
+    assert ne == evictable.sum(), "num_evictable"
+    assert nf + evictable.sum() + (rc > 0).sum() == n - 1, "free + used != total"
+    table = np.asarray(st.hash_table)
+    hsize = table.shape[0]
+    hashes = np.asarray(st.block_hash)
+    parent = np.asarray(st.block_parent)
+    stamp = np.asarray(st.lru_stamp)
+    for b in np.flatnonzero(cached):
+        assert table[hashes[b] & (hsize - 1)] == b, "cached block not in its bucket"
+        pb = parent[b]
+        assert pb == 0 or cached[pb], "cached block's parent not cached"
+        if pb and evictable[b] and evictable[pb]:
+            assert stamp[b] < stamp[pb], "parent would be evicted before its child"
+    assert np.count_nonzero(table) == cached.sum(), "stale hash-table entry"
