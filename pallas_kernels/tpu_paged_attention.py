@@ -88,8 +88,10 @@ class _PageCopier:
 
     def _for_each_live_page(self, item, chunk, k_start, k_end, slot, method: str):
         bs = self.block_size
-        first_page = k_start // bs
-        end_page = (k_end + bs - 1) // bs
+        # Positions are >= 0, so truncating division is floor division (and lowers without
+        # the sign fix-up that `//` on traced ints needs).
+        first_page = lax.div(k_start, bs)
+        end_page = lax.div(k_end + bs - 1, bs)
         for i in range(self.pages_per_chunk):
             logical = chunk * self.pages_per_chunk + i
             live = jnp.logical_and(logical >= first_page, logical < end_page)
@@ -136,14 +138,14 @@ def _stream_chunks(
 
     @pl.when(item_valid(item0))
     def _():
-        copier.start(item0, k_start0 // ct, k_start0, k_end0, 0)
+        copier.start(item0, lax.div(k_start0, ct), k_start0, k_end0, 0)
 
     def body(carry):
         item, chunk, k_start, k_end, slot = carry
         more = (chunk + 1) * ct < k_end
         next_item = lax.cond(more, lambda: item, lambda: skip_empty(item + 1))
         next_start, next_end = key_range(next_item)
-        next_chunk = jnp.where(more, chunk + 1, next_start // ct)
+        next_chunk = jnp.where(more, chunk + 1, lax.div(next_start, ct))
 
         @pl.when(item_valid(next_item))
         def _():
@@ -156,7 +158,7 @@ def _stream_chunks(
     lax.while_loop(
         lambda carry: item_valid(carry[0]),
         body,
-        (item0, k_start0 // ct, k_start0, k_end0, jnp.int32(0)),
+        (item0, lax.div(k_start0, ct), k_start0, k_end0, jnp.int32(0)),
     )
 
 

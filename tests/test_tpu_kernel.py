@@ -10,8 +10,10 @@ not masked by length shows up in the output.
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -171,6 +173,29 @@ def test_ragged_window_and_soft_cap(sliding_window, soft_cap):
     _assert_close(out, ref, jnp.float32)
     plain = ragged_paged_attention_reference(*args, scale=0.125)
     assert not np.allclose(np.asarray(ref), np.asarray(plain), atol=1e-3)  # the option matters
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering to Mosaic TPU (no TPU needed).
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_lower_for_tpu(dtype):
+    """The Pallas -> Mosaic lowering, which the interpreter skips, accepts both kernels.
+
+    This catches ops without a Mosaic lowering rule (a traced `//` once needed the TPU
+    generation); Mosaic's own layout passes still need a real TPU.
+    """
+    q, k, v, tables, lens = _decode_case(0, dtype=dtype, group=4, bs=16, head_dim=128)
+    ragged_args, _ = _ragged_case(0, dtype=dtype, group=4, bs=16, head_dim=128)
+    kw = dict(scale=0.1, sliding_window=32, soft_cap=30.0)
+    for fn, args in [
+        (tpu_paged_attention_decode, (q, k, v, tables, lens)),
+        (tpu_ragged_paged_attention, ragged_args),
+    ]:
+        lowered = jax.jit(functools.partial(fn, **kw)).trace(*args)
+        text = lowered.lower(lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text
 
 
 # ---------------------------------------------------------------------------------------------
