@@ -42,6 +42,18 @@ Layout constraints (Mosaic TPU; the interpreter accepts anything)
 * Block tables live in SMEM: `S * P` int32 must fit (SMEM is small, on the order of 1 MiB), as
   for jax's own TPU paged-attention kernels.
 * `kv_lens` above `P * bs` are clamped to the table's capacity.
+
+Limits worth knowing
+--------------------
+* Checked so far only in the TPU interpreter and by lowering to Mosaic MLIR on the CPU (see
+  tests/test_tpu_kernel.py); Mosaic's layout passes and the speed are unchecked on hardware.
+* A ragged program computes its whole `[G * bq, ct]` score tile against each chunk of each
+  sequence overlapping its rows and masks the rows of other sequences, so a block of bq decode
+  tokens costs bq times the decode form's matmul and exp work (the copies are the same). Batches
+  of only decode tokens belong in the decode form.
+* Only the first chunk of each program waits on HBM unhidden; there is no split of one long
+  sequence across programs (flash-decoding), so `KVH * ceil(B / seqs_per_block)` programs
+  is all the parallelism a decode step has.
 """
 
 from __future__ import annotations
