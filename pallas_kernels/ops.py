@@ -60,8 +60,19 @@ def _check_int(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name}.shape={x.shape}, dtype={x.dtype} must be {shape}, int32")
 
 
-def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, scale,
-                  sliding_window, soft_cap):  # fmt: skip
+def _check_inputs(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    cu_q_lens,
+    num_seqs,
+    *,
+    scale,
+    sliding_window,
+    soft_cap,
+):
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [B, H, D] (decode) or [T, H, D] (ragged)")
     if k_pages.ndim != 4:
@@ -142,8 +153,18 @@ def paged_attention(
       ValueError: on inconsistent shapes or dtypes, a head count not divisible by the KV heads,
         a bad scale/window/cap, an unknown impl, or shapes the forced kernel cannot take.
     """
-    _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, scale=scale,
-                  sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
+    _check_inputs(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     _, _, block_size, head_dim = k_pages.shape
     which = resolve_impl(impl, block_size, head_dim)
     soft_cap = None if soft_cap is None else float(soft_cap)

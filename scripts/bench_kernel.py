@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import paged_attention, resolve_impl
+from pallas_kernels import gpu_paged_attention_decode, paged_attention, resolve_impl
 
 H, KVH, D = 32, 8, 128
 DTYPE = jnp.bfloat16
@@ -97,11 +97,21 @@ def bytes_read(q, tables, kv_lens) -> int:
     return live_kv + q.nbytes + tables.nbytes + kv_lens.nbytes
 
 
-def build_impls(q, k_pages, v_pages, tables, kv_lens, *, scale: float, on_gpu: bool):
+def build_impls(q, k_pages, v_pages, tables, kv_lens, *, scale: float, on_gpu: bool, sweep: bool):
     """{name: (jitted fn, args)} for every implementation that runs on this platform."""
     impls = {}
     paged = jax.jit(functools.partial(paged_attention, scale=scale))
     impls["paged"] = (paged, (q, k_pages, v_pages, tables, kv_lens))
+    if on_gpu and sweep:  # the GPU kernel's tuning knobs, to pick better defaults
+        for keys in (64, 128):
+            for warps in (4, 8):
+                fn = functools.partial(
+                    gpu_paged_attention_decode,
+                    scale=scale,
+                    num_warps=warps,
+                    pages_per_block=max(1, keys // k_pages.shape[2]),
+                )
+                impls[f"gpu_bk{keys}_w{warps}"] = (jax.jit(fn), impls["paged"][1])
     # Contiguous copy of the same tokens: [B, KVH, L, D] (built once, outside the timing).
     b, p = tables.shape
     bs = k_pages.shape[2]
@@ -128,12 +138,12 @@ def build_impls(q, k_pages, v_pages, tables, kv_lens, *, scale: float, on_gpu: b
     return impls
 
 
-def bench_case(batch, context, *, block_size, repeats, on_gpu, target_s):
+def bench_case(batch, context, *, block_size, repeats, on_gpu, target_s, sweep=False):
     scale = D**-0.5
     data = _sync(make_data(batch, context, block_size))
     q, k_pages, v_pages, tables, kv_lens = data
     nbytes = bytes_read(q, tables, kv_lens)
-    impls = build_impls(*data, scale=scale, on_gpu=on_gpu)
+    impls = build_impls(*data, scale=scale, on_gpu=on_gpu, sweep=sweep)
     compile_s, iters, errors = {}, {}, {}
     ref = None
     for name, (fn, args) in list(impls.items()):
@@ -177,8 +187,9 @@ def bench_case(batch, context, *, block_size, repeats, on_gpu, target_s):
         ratios["paged_over_dense_time"] = round(by["paged"] / by["dense"], 3)
     if "jax_pallas" in by:
         ratios["jax_pallas_over_paged_time"] = round(by["jax_pallas"] / by["paged"], 3)
-    return dict(batch=batch, context=context, bytes=nbytes, results=rows, ratios=ratios,
-                errors=errors)  # fmt: skip
+    return dict(
+        batch=batch, context=context, bytes=nbytes, results=rows, ratios=ratios, errors=errors
+    )
 
 
 def device_memory_bytes() -> int | None:
@@ -197,9 +208,14 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--target-ms", type=float, default=100.0, help="time per timed repeat")
-    ap.add_argument("--max-kv-gib", type=float, default=None,
-                    help="skip cases whose K/V pages exceed this (default: 30%% of device "
-                         "memory on accelerators, 1 GiB on the CPU)")  # fmt: skip
+    ap.add_argument(
+        "--max-kv-gib",
+        type=float,
+        default=None,
+        help="skip cases whose K/V pages exceed this (default: 30%% of device "
+        "memory on accelerators, 1 GiB on the CPU)",
+    )
+    ap.add_argument("--sweep", action="store_true", help="GPU: also time kernel tuning variants")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     if args.quick:
@@ -222,7 +238,7 @@ def main(argv=None):
         jax_version=jax.__version__,
         shapes=dict(
             num_heads=H, num_kv_heads=KVH, head_dim=D, dtype="bfloat16", block_size=args.block_size
-        ),  # fmt: skip
+        ),
         paged_impl=resolve_impl("auto", args.block_size, D),
         copy_gbps=round(copy_bandwidth(copy_bytes, args.repeats), 2),
         cases=[],
@@ -235,8 +251,15 @@ def main(argv=None):
                 report["skipped"].append(dict(batch=batch, context=context, kv_bytes=kv_bytes))
                 continue
             print(f"batch {batch} context {context} ...", file=sys.stderr, flush=True)
-            case = bench_case(batch, context, block_size=args.block_size, repeats=args.repeats,
-                              on_gpu=on_gpu, target_s=args.target_ms / 1e3)  # fmt: skip
+            case = bench_case(
+                batch,
+                context,
+                block_size=args.block_size,
+                repeats=args.repeats,
+                on_gpu=on_gpu,
+                target_s=args.target_ms / 1e3,
+                sweep=args.sweep,
+            )
             for row in case["results"]:
                 row["frac_of_copy"] = round(row["gbps"] / report["copy_gbps"], 3)
             report["cases"].append(case)

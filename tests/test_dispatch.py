@@ -100,8 +100,9 @@ def test_tpu_is_imported_lazily_and_gets_the_contract_arguments(monkeypatch):
     monkeypatch.setitem(sys.modules, "pallas_kernels.tpu_paged_attention", fake_module)
     q, kp, vp, bt, kv = _inputs()
     paged_attention(q, kp, vp, bt, kv, scale=0.5, impl="tpu", sliding_window=4)
-    paged_attention(q, kp, vp, bt, kv, jnp.arange(4, dtype=jnp.int32), impl="tpu", scale=0.5,
-                    interpret=True)  # fmt: skip
+    paged_attention(
+        q, kp, vp, bt, kv, jnp.arange(4, dtype=jnp.int32), impl="tpu", scale=0.5, interpret=True
+    )
     common = dict(scale=0.5, soft_cap=None)
     assert calls == [
         ("decode", 5, dict(common, sliding_window=4, interpret=False)),
@@ -111,8 +112,16 @@ def test_tpu_is_imported_lazily_and_gets_the_contract_arguments(monkeypatch):
 
 def _bad(**changes):
     q, kp, vp, bt, kv = _inputs()
-    args = dict(q=q, k_pages=kp, v_pages=vp, block_tables=bt, kv_lens=kv, cu_q_lens=None,
-                num_seqs=None, scale=0.3)  # fmt: skip
+    args = dict(
+        q=q,
+        k_pages=kp,
+        v_pages=vp,
+        block_tables=bt,
+        kv_lens=kv,
+        cu_q_lens=None,
+        num_seqs=None,
+        scale=0.3,
+    )
     args.update(changes)
     return args
 

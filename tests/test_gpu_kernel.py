@@ -50,8 +50,9 @@ DECODE_CASES = [
 def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, tuning):
     rng = np.random.default_rng(bs + 10 * group)
     lens = [0, 1, bs - 1, bs, bs + 1, LONG]
-    case = make_paged_case(rng, lens, block_size=bs, num_kv_heads=kvh, head_dim=head_dim,
-                           dtype=dtype, null_fill=np.nan)  # fmt: skip
+    case = make_paged_case(
+        rng, lens, block_size=bs, num_kv_heads=kvh, head_dim=head_dim, dtype=dtype, null_fill=np.nan
+    )
     q, _ = rand_q(rng, (len(lens), kvh * group, head_dim), dtype)
     args = (q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens)
     kw = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
@@ -76,8 +77,15 @@ RAGGED_CASES = [
 def test_ragged_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, tuning):
     rng = np.random.default_rng(100 + bs + group)
     kv_lens, q_lens, num_seqs, rows = mixed_batch(bs)
-    case = make_paged_case(rng, kv_lens, block_size=bs, num_kv_heads=kvh, head_dim=head_dim,
-                           dtype=dtype, null_fill=np.nan)  # fmt: skip
+    case = make_paged_case(
+        rng,
+        kv_lens,
+        block_size=bs,
+        num_kv_heads=kvh,
+        head_dim=head_dim,
+        dtype=dtype,
+        null_fill=np.nan,
+    )
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu[num_seqs + 1 :] = 0  # garbage past num_seqs
     q, _ = rand_q(rng, (rows, kvh * group, head_dim), dtype)
@@ -98,8 +106,7 @@ def test_ragged_decode_step_and_long_prefill_chunk():
     rng = np.random.default_rng(11)
     bs, kvh, group, d = 16, 2, 4, 64
     lens = [1, bs - 1, bs, bs + 1, LONG, 0]
-    case = make_paged_case(rng, lens, block_size=bs, num_kv_heads=kvh, head_dim=d,
-                           null_fill=np.nan)  # fmt: skip
+    case = make_paged_case(rng, lens, block_size=bs, num_kv_heads=kvh, head_dim=d, null_fill=np.nan)
     tables, kv = case.block_tables, case.kv_lens
     q, _ = rand_q(rng, (5, kvh * group, d), jnp.float32)
     cu = jnp.array([0, 1, 2, 3, 4, 5, 5], jnp.int32)
@@ -119,9 +126,13 @@ def test_ragged_decode_step_and_long_prefill_chunk():
 
 @pytest.mark.parametrize(
     "form,dtype,window,cap",
-    [("decode", jnp.bfloat16, None, None), ("decode", jnp.float32, 64, 30.0),
-     ("ragged", jnp.bfloat16, 128, 50.0), ("ragged", jnp.float16, None, None)],
-)  # fmt: skip
+    [
+        ("decode", jnp.bfloat16, None, None),
+        ("decode", jnp.float32, 64, 30.0),
+        ("ragged", jnp.bfloat16, 128, 50.0),
+        ("ragged", jnp.float16, None, None),
+    ],
+)
 def test_triton_lowering(form, dtype, window, cap):
     """Lowers for CUDA through the Triton backend on this CPU-only machine."""
     b, h, kvh, d, n, bs, p = 8, 32, 8, 128, 256, 16, 32
@@ -134,8 +145,15 @@ def test_triton_lowering(form, dtype, window, cap):
     else:
         fn = functools.partial(gpu_ragged_paged_attention, **kw)
         t = 300
-        args = (sds((t, h, d), dtype), pages, pages, sds((b, p), jnp.int32),
-                sds((b,), jnp.int32), sds((b + 1,), jnp.int32), sds((), jnp.int32))  # fmt: skip
+        args = (
+            sds((t, h, d), dtype),
+            pages,
+            pages,
+            sds((b, p), jnp.int32),
+            sds((b,), jnp.int32),
+            sds((b + 1,), jnp.int32),
+            sds((), jnp.int32),
+        )
     exported = export.export(
         jax.jit(fn),
         platforms=["cuda"],

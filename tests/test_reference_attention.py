@@ -325,8 +325,9 @@ def test_decode_matches_dense(block_size, kvh, group, head_dim, dtype, window, c
     rng = np.random.default_rng(block_size * 100 + group)
     bs = block_size
     lens = [0, 1, bs - 1, bs, bs + 1, 517]
-    case = make_paged_case(rng, lens, block_size=bs, num_kv_heads=kvh, head_dim=head_dim,
-                           dtype=dtype)  # fmt: skip
+    case = make_paged_case(
+        rng, lens, block_size=bs, num_kv_heads=kvh, head_dim=head_dim, dtype=dtype
+    )
     q, q64 = rand_q(rng, (len(lens), kvh * group, head_dim), dtype)
     kw = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
     out = paged_attention_decode_reference(
@@ -358,8 +359,9 @@ def mixed_batch(bs: int):
 def test_ragged_matches_dense(block_size, kvh, group, head_dim, dtype, window, cap):
     rng = np.random.default_rng(7 + block_size)
     kv_lens, q_lens, num_seqs, rows = mixed_batch(block_size)
-    case = make_paged_case(rng, kv_lens, block_size=block_size, num_kv_heads=kvh,
-                           head_dim=head_dim, dtype=dtype)  # fmt: skip
+    case = make_paged_case(
+        rng, kv_lens, block_size=block_size, num_kv_heads=kvh, head_dim=head_dim, dtype=dtype
+    )
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu[num_seqs + 1 :] = 0  # entries past num_seqs are garbage and must be ignored
     q, q64 = rand_q(rng, (rows, kvh * group, head_dim), dtype)
@@ -390,8 +392,11 @@ def test_reference_jits_once_per_shape():
     rng = np.random.default_rng(4)
     case = make_paged_case(rng, [3, 9], block_size=8, num_kv_heads=1, head_dim=16)
     q, _ = rand_q(rng, (2, 2, 16), jnp.float32)
-    f = jax.jit(lambda q, n: paged_attention_decode_reference(
-        q, case.k_pages, case.v_pages, case.block_tables, n, scale=0.25))  # fmt: skip
+    f = jax.jit(
+        lambda q, n: paged_attention_decode_reference(
+            q, case.k_pages, case.v_pages, case.block_tables, n, scale=0.25
+        )
+    )
     a = f(q, case.kv_lens)
     b = f(q, case.kv_lens - 1)  # new lengths, same shapes: no retrace
     assert f._cache_size() == 1
