@@ -34,7 +34,8 @@ needs blocks is granted while the running total of blocks needed still fits in
 overtaking). Requests that need no block (decode inside a private partial block) always
 succeed. Granted sequences take their blocks in grant order from the top of the free stack
 (the copy-on-write block first, then the new logical blocks in order); when the stack runs
-short, the least recently freed cached blocks are evicted onto it first.
+short, just enough of the least recently freed cached blocks are first evicted onto its top
+(oldest on top, so they are handed out first, then the rest of the stack).
 
 Prefix cache: a full block's key is a 32-bit hash of its tokens chained with its parent's key
 (`block_hashes`), stored in a direct-mapped table of `hash_table_size` buckets. The hash only
@@ -180,6 +181,7 @@ def init_state(
     )
 
 
+@jax.jit
 def num_free_blocks(state: BlockManagerState) -> jax.Array:
     """i32[]: blocks a reservation can take now (free stack + evictable cached blocks)."""
     return state.num_free + state.num_evictable
@@ -296,6 +298,7 @@ def _evict(state: BlockManagerState, count) -> BlockManagerState:
 # Reserve and slots.
 
 
+@jax.jit
 def blocks_needed(state: BlockManagerState, num_new: jax.Array) -> jax.Array:
     """i32[S]: blocks `reserve(state, num_new)` would take per slot (copy-on-write counted;
     the last of several sharers all writing at once may take one fewer). 0 if it cannot fit in
@@ -321,6 +324,7 @@ def _plan(state, num_new):
     return want, valid, old_nb, new_nb, need, cow, last, new_len
 
 
+@jax.jit
 def reserve(
     state: BlockManagerState, num_new: jax.Array, *, priority: jax.Array | None = None
 ) -> tuple[BlockManagerState, Reservation]:
@@ -388,6 +392,7 @@ def reserve(
     return state, Reservation(ok=granted | ~want, cow_src=src, cow_dst=dst)
 
 
+@jax.jit
 def token_slots(state: BlockManagerState, seq_idx: jax.Array, positions: jax.Array) -> jax.Array:
     """i32[T] KV slot of each (sequence slot, position) pair: `bt[p // bs] * bs + p % bs`.
 
@@ -409,6 +414,7 @@ def token_slots(state: BlockManagerState, seq_idx: jax.Array, positions: jax.Arr
 # Free and fork.
 
 
+@jax.jit
 def free(state: BlockManagerState, mask: jax.Array) -> BlockManagerState:
     """Ends the sequences of the live slots in `mask` (bool[S]); other slots are untouched.
 
@@ -453,6 +459,7 @@ def free(state: BlockManagerState, mask: jax.Array) -> BlockManagerState:
     )
 
 
+@jax.jit
 def fork(
     state: BlockManagerState, parent: jax.Array, child: jax.Array
 ) -> tuple[BlockManagerState, jax.Array]:
@@ -493,6 +500,7 @@ def fork(
 # Prefix cache.
 
 
+@jax.jit
 def match_prefix(
     state: BlockManagerState, slots: jax.Array, tokens: jax.Array, num_tokens: jax.Array
 ) -> tuple[BlockManagerState, jax.Array, jax.Array]:
@@ -552,6 +560,7 @@ def match_prefix(
     return state, matched * bs, ok
 
 
+@jax.jit
 def cache_full_blocks(
     state: BlockManagerState, slots: jax.Array, tokens: jax.Array, num_tokens: jax.Array
 ) -> BlockManagerState:
