@@ -18,7 +18,7 @@ The processing order follows vLLM v1::
         |
         min_tokens mask (EOS / stop ids -> -inf) -> repetition, frequency, presence penalties
         |--> greedy rows: argmax (ties -> lowest id)
-        temperature -> min_p -> top_k -> top_p -> Gumbel-max draw with the row's own key
+        temperature -> min_p -> top_k -> top_p -> inverse-CDF draw with the row's own key
 
 Memory: with penalties tracked the state holds ``i32[B, V]`` counts and a ``bool[B, V]``
 prompt mask, 5 bytes per (row, vocab entry): e.g. 256 rows x 151,936 (Qwen2) = 194 MB,
@@ -27,10 +27,13 @@ prompt mask, 5 bytes per (row, vocab entry): e.g. 256 rows x 151,936 (Qwen2) = 1
 Top-k / top-p: a full-vocabulary sort costs ~0.4 s for 32 x 49,152 on a CPU, so the filter
 first takes the `max_candidates` largest logits with ``lax.top_k`` (~10 ms) and computes each
 row's cutoff from them. That is exact whenever the kept set lies inside the candidates:
-``top_k <= max_candidates``, or top-k off and the top-p mass is reached within the candidates.
-Only when some row is not resolved that way does a full sort run (under ``lax.cond``), and
-only that row takes its result, so a row's tokens never depend on its neighbours. Batches with
-no top-k/top-p row, and all-greedy batches (no random numbers), skip that work entirely.
+``top_k <= max_candidates``, or top-k off and the top-p mass is reached within the candidates
+(the usual case for a trained model). Only when some row is not resolved that way (a flat
+distribution, a large top_k) does an exact sort-free fallback run under ``lax.cond``: a
+bisection on the float bit patterns for the cutoff value (32 masked sums over [B, V], ~6x
+cheaper than the sort); only unresolved rows take its result, so a row's tokens never depend
+on its neighbours. Ties at a cutoff are all kept. Batches without a top-k/top-p row skip all of
+this, and all-greedy batches draw no random numbers.
 
 Seeds: row b draws with ``fold_in(base_b, num_generated_b)``, where ``base_b`` is
 ``jax.random.key(seed)`` (all 64 bits of the seed are used) for a seeded request and
@@ -350,12 +353,20 @@ class SamplerOutput(NamedTuple):
     top_logprobs: jax.Array
 
 
-def _gather_logprobs(raw_logprobs: jax.Array, tokens: jax.Array, k: int):
-    """Log-prob and rank of ``tokens`` ([T]) and the top-k of ``raw_logprobs`` ([T, V])."""
-    lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=1)[:, 0]
-    ranks = 1 + jnp.sum(raw_logprobs > lp[:, None], axis=1, dtype=jnp.int32)
+def _gather_logprobs(raw: jax.Array, tokens: jax.Array, k: int):
+    """Log-prob and rank of ``tokens`` i32[T] and the top-k under ``log_softmax(raw)``.
+
+    Works on the raw logits f32[T, V] and subtracts the normaliser only from the few values
+    returned: a materialised [T, V] log_softmax feeding a gather, a compare and a top-k made
+    XLA (CPU) recompute it per consumer, 4x slower than the whole rest of greedy sampling.
+    """
+    log_norm = jax.nn.logsumexp(raw, axis=1)
+    tok = jnp.take_along_axis(raw, tokens[:, None], axis=1)[:, 0]
+    lp = tok - log_norm
+    ranks = 1 + jnp.sum(raw > tok[:, None], axis=1, dtype=jnp.int32)
     if k > 0:
-        top_lp, top_ids = lax.top_k(raw_logprobs, k)
+        top_vals, top_ids = lax.top_k(raw, k)
+        top_lp = top_vals - log_norm[:, None]
     else:
         top_lp = jnp.zeros((tokens.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((tokens.shape[0], 0), jnp.int32)
@@ -374,8 +385,7 @@ def compute_prompt_logprobs(logits: jax.Array, next_tokens: jax.Array, k: int):
       (logprobs f32[T], ranks i32[T], top_ids i32[T, k], top_logprobs f32[T, k]) of the raw
       distribution, as in `SamplerOutput`. The caller prepends None for prompt position 0.
     """
-    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return _gather_logprobs(raw, next_tokens.astype(jnp.int32), k)
+    return _gather_logprobs(logits.astype(jnp.float32), next_tokens.astype(jnp.int32), k)
 
 
 def apply_penalties(logits: jax.Array, tensors: SamplingTensors, state: SamplingState) -> jax.Array:
@@ -445,6 +455,57 @@ def _cutoffs(sorted_vals, log_norm, top_k, top_p, vocab_size):
     return cutoff, resolved
 
 
+def _to_ordered(x: jax.Array) -> jax.Array:
+    """f32 -> u32 with the same order (-inf smallest): the radix-sort key of a float."""
+    u = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _from_ordered(u: jax.Array) -> jax.Array:
+    u = jnp.where(u >> 31 == 1, u & jnp.uint32(0x7FFFFFFF), ~u)
+    return lax.bitcast_convert_type(u, jnp.float32)
+
+
+def _bisect(lo: jax.Array, hi: jax.Array, pred) -> jax.Array:
+    """The largest u32 ``o`` in [lo, hi] with ``pred(o)`` (monotone: true, then false), per row;
+    ``lo`` when none above it passes. 32 halvings cover the whole u32 range."""
+
+    def body(_, carry):
+        lo, hi = carry
+        gap = hi - lo
+        mid = lo + gap // 2 + (gap & 1)  # ceil midpoint without overflow
+        ok = (gap > 0) & pred(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (gap == 0), hi, mid - 1)
+
+    return lax.fori_loop(0, 32, body, (lo, hi))[0]
+
+
+def _bisect_cutoffs(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Exact per-row cutoffs of top-k then top-p without sorting: f32[B, V] -> f32[B].
+
+    The top-k cutoff is the largest t with ``count(x >= t) >= k`` (the k-th largest logit);
+    the top-p cutoff the largest t >= it with ``mass(x >= t) >= p * mass(x >= top-k cutoff)``
+    (the smallest prefix of the sorted top-k distribution holding mass p, as in the sorted
+    formulation). Each is a bisection over the bit patterns of the values: 32 passes over
+    [B, V], ~6x cheaper than a [B, V] sort on a CPU.
+    """
+    ox = _to_ordered(x)
+    lo, hi = jnp.min(ox, axis=1), jnp.max(ox, axis=1)
+    ck = _bisect(lo, hi, lambda o: jnp.sum(ox >= o[:, None], axis=1) >= top_k)
+    e = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
+
+    def mass(o):
+        return jnp.sum(jnp.where(ox >= o[:, None], e, 0.0), axis=1)
+
+    def nucleus(ck):
+        target = top_p * mass(ck)
+        cp = _bisect(ck, hi, lambda o: mass(o) >= target)
+        return jnp.where(top_p >= 1.0, ck, cp)
+
+    c = lax.cond(jnp.any(top_p < 1.0), nucleus, lambda ck: ck, ck)
+    return _from_ordered(c)
+
+
 def _top_k_top_p(x: jax.Array, top_k, top_p, max_candidates: int) -> jax.Array:
     b, v = x.shape
     log_norm = jax.nn.logsumexp(x, axis=1)
@@ -452,13 +513,12 @@ def _top_k_top_p(x: jax.Array, top_k, top_p, max_candidates: int) -> jax.Array:
     cutoff, resolved = _cutoffs(lax.top_k(x, m)[0], log_norm, top_k, top_p, v)
     if m < v:
 
-        def full_sort(cutoff):
-            full, _ = _cutoffs(jnp.flip(jnp.sort(x, axis=1), axis=1), log_norm, top_k, top_p, v)
-            # Only unresolved rows take the full-sort result, so a row's cutoff never depends
-            # on whether a neighbour forced the slow path.
-            return jnp.where(resolved, cutoff, full)
+        def exact(cutoff):
+            # Only unresolved rows take the bisection's result, so a row's cutoff never
+            # depends on whether a neighbour forced the slow path.
+            return jnp.where(resolved, cutoff, _bisect_cutoffs(x, top_k, top_p))
 
-        cutoff = lax.cond(jnp.all(resolved), lambda c: c, full_sort, cutoff)
+        cutoff = lax.cond(jnp.all(resolved), lambda c: c, exact, cutoff)
     return jnp.where(x < cutoff[:, None], -jnp.inf, x)
 
 
@@ -478,9 +538,13 @@ def process_logits(
     x = apply_penalties(logits.astype(jnp.float32), tensors, state)
     greedy = tensors.temperature == 0.0
     x = x / jnp.where(greedy, 1.0, tensors.temperature)[:, None]
+
     # min_p: drop p < min_p * p_max, i.e. exp(x - x_max) < min_p (no normaliser needed).
-    x_max = jnp.max(x, axis=1, keepdims=True)
-    x = jnp.where(jnp.exp(x - x_max) < tensors.min_p[:, None], -jnp.inf, x)
+    def min_p(x):
+        x_max = jnp.max(x, axis=1, keepdims=True)
+        return jnp.where(jnp.exp(x - x_max) < tensors.min_p[:, None], -jnp.inf, x)
+
+    x = lax.cond(jnp.any(tensors.min_p > 0.0), min_p, lambda x: x, x)
     v = x.shape[1]
     needs_filter = jnp.any((tensors.top_k < v) | (tensors.top_p < 1.0))
     return lax.cond(
@@ -504,6 +568,35 @@ def _row_keys(tensors: SamplingTensors, state: SamplingState, key: jax.Array) ->
     base = jnp.where(tensors.has_seed[:, None], tensors.seed_key, jax.random.key_data(unseeded))
     base = jax.random.wrap_key_data(base, impl=_KEY_IMPL)
     return jax.vmap(jax.random.fold_in)(base, state.num_generated)
+
+
+_CDF_BLOCK = 256
+
+
+def _draw(x: jax.Array, keys: jax.Array) -> jax.Array:
+    """One categorical draw per row from ``softmax(x)``: f32[B, V], key[B] -> i32[B].
+
+    Two-level inverse CDF: pick a block of `_CDF_BLOCK` tokens with probability proportional to
+    its mass, then a token inside it, each with one uniform. That needs 2 random numbers per
+    row instead of V for a Gumbel-max draw (threefry over [B, V] costs ~10x the rest of
+    sampling on a CPU) and no full-length cumsum. Tokens at -inf (probability 0) are never
+    drawn: both levels pick the first entry whose running sum exceeds ``u * total`` with
+    ``u < 1``, and a zero entry never raises the running sum.
+    """
+    b, v = x.shape
+    nb = -(-v // _CDF_BLOCK)
+    probs = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))  # unnormalised, max entry 1
+    probs = jnp.pad(probs, ((0, 0), (0, nb * _CDF_BLOCK - v))).reshape(b, nb, _CDF_BLOCK)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)  # [B, 2] in [0, 1)
+
+    def pick(weights, u):  # [B, N], [B] -> i32[B]: first i with cumsum[i] > u * total
+        c = jnp.cumsum(weights, axis=1)
+        i = jnp.sum(c <= (u * c[:, -1])[:, None], axis=1, dtype=jnp.int32)
+        return jnp.minimum(i, weights.shape[1] - 1)  # only reachable through rounding
+
+    blk = pick(jnp.sum(probs, axis=2), u[:, 0])
+    inner = jnp.take_along_axis(probs, blk[:, None, None], axis=1)[:, 0]  # [B, BLOCK]
+    return blk * _CDF_BLOCK + pick(inner, u[:, 1])
 
 
 def sample(
@@ -536,11 +629,9 @@ def sample(
     greedy = tensors.temperature == 0.0
 
     def draw(x):
-        keys = _row_keys(tensors, state, key)
-        noise = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[1],), jnp.float32))(keys)
-        return jnp.argmax(x + jnp.where(greedy[:, None], 0.0, noise), axis=1)
+        return jnp.where(greedy, argmax, _draw(x, _row_keys(tensors, state, key)))
 
-    tokens = lax.cond(jnp.all(greedy), lambda x: jnp.argmax(x, axis=1), draw, x).astype(jnp.int32)
-    raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
-    lp, ranks, top_ids, top_lp = _gather_logprobs(raw_logprobs, tokens, num_top_logprobs)
+    argmax = jnp.argmax(x, axis=1).astype(jnp.int32)
+    tokens = lax.cond(jnp.all(greedy), lambda x: argmax, draw, x)
+    lp, ranks, top_ids, top_lp = _gather_logprobs(raw, tokens, num_top_logprobs)
     return SamplerOutput(tokens, lp, ranks, top_ids, top_lp)

@@ -146,6 +146,23 @@ def test_reference_on_hand_computed_case():
     np.testing.assert_allclose(y, [1.0, -1.0, 0.5, -4.0 - 2.0 - 0.5])
 
 
+def test_bisection_cutoffs_equal_sorted_cutoffs():
+    # The sort-free fallback against the sorted formulation, with -inf entries and ties.
+    from jax_paged.sampling import _bisect_cutoffs, _cutoffs
+
+    x = np.random.default_rng(2).normal(0, 2, (6, 300)).astype(np.float32)
+    x[0, :100] = -np.inf
+    x[1, :40] = x[1, 40]  # a 41-way tie
+    x[2] = np.round(x[2])  # many ties
+    top_k = jnp.asarray([300, 7, 100, 300, 1, 41], jnp.int32)
+    top_p = jnp.asarray([0.9, 1.0, 0.5, 0.3, 0.2, 0.999], jnp.float32)
+    xs = jnp.asarray(x)
+    got = jax.jit(_bisect_cutoffs)(xs, top_k, top_p)
+    srt = jnp.flip(jnp.sort(xs, axis=1), axis=1)
+    want, _ = _cutoffs(srt, jax.nn.logsumexp(xs, axis=1), top_k, top_p, 300)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_greedy_is_argmax_with_lowest_id_on_ties():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(B, V)).astype(np.float32)
