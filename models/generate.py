@@ -3,10 +3,11 @@
 Stands in for the paged engine in scripts and tests: the cache lives entirely in the attention
 function (`make_contiguous_cache_attention`), so the model code is the same one the engine uses.
 
-Cache layout: `(k, v)`, each `[L, B, S, KVH, D]`, indexed by token position. Prompts are
-right-padded; a pad token writes garbage at positions past its prompt, but a query at position p
-only reads keys at positions <= p, and every such position was written by a real token first
-(decode step s writes position len_b + s before reading it).
+Cache layout: a list with one `(k, v)` pair per layer, each `[B, S, KVH, D]`, indexed by token
+position (separate buffers per layer, so a layer's write updates only its own buffer in place).
+Prompts are right-padded; a pad token writes garbage at positions past its prompt, but a query at
+position p only reads keys at positions <= p, and every such position was written by a real token
+first (decode step s writes position len_b + s before reading it).
 """
 
 from __future__ import annotations
@@ -23,25 +24,30 @@ from models.llama import AttentionFn, Transformer, dense_attention
 
 
 def make_contiguous_cache_attention(config: ModelConfig, positions: jax.Array) -> AttentionFn:
-    """Attention function writing K/V at `positions` i32[B,T] into `kv = (k, v)` [L,B,S,KVH,D]."""
+    """Attention function writing K/V at `positions` i32[B,T] into `kv[layer] = (k, v)`.
+
+    kv: list over layers of (k, v) pairs, each [B,S,KVH,D].
+    """
 
     def attn(layer: int, q, k, v, kv):
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv[layer]
         b, t = positions.shape
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        k_cache = k_cache.at[layer, rows, positions].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[layer, rows, positions].set(v.astype(v_cache.dtype))
-        s = k_cache.shape[2]
+        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype))
+        kv = list(kv)
+        kv[layer] = (k_cache, v_cache)
+        s = k_cache.shape[1]
         out = dense_attention(
             q,
-            k_cache[layer],
-            v_cache[layer],
+            k_cache,
+            v_cache,
             scale=config.scale,
             q_positions=positions,
             k_positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
             sliding_window=config.sliding_window,
         )
-        return out, (k_cache, v_cache)
+        return out, kv
 
     return attn
 
@@ -82,8 +88,10 @@ def greedy_generate(
     tokens = np.zeros((b, t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
-    kv = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+    shape = (b, s, c.num_kv_heads, c.head_dim)
+    kv = [
+        (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(c.num_layers)
+    ]
     graphdef, state = nnx.split(model)
 
     positions = np.broadcast_to(np.arange(t_pad, dtype=np.int32), (b, t_pad))

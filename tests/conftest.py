@@ -1,0 +1,318 @@
+"""Shared fixtures: tiny random HF models per family, and SmolLM2 loaded by us and by HF.
+
+The HF transformers oracle is imported lazily through `oracle()`, which FAILS the test (never
+skips) when torch or transformers is missing: CI must not pass without the oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import numpy as np
+import pytest
+
+
+def oracle():
+    """(torch, transformers), or a test failure naming what to install."""
+    try:
+        torch = importlib.import_module("torch")
+        transformers = importlib.import_module("transformers")
+    except ImportError as e:
+        pytest.fail(
+            f"HF transformers oracle missing ({e}); install the test extra: pip install '.[test]'"
+        )
+    torch.set_num_threads(2)
+    return torch, transformers
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny random HF models
+
+
+@dataclasses.dataclass(frozen=True)
+class TinySpec:
+    """One tiny HF model. `kwargs` go to the HF config class; `shards` saves sharded files."""
+
+    name: str
+    config_class: str
+    kwargs: tuple
+    shards: bool = False
+
+
+TINY_SPECS = {
+    s.name: s
+    for s in [
+        # GQA 4, head_dim 32, untied, llama3 RoPE scaling with a short original context so
+        # the scaling changes frequencies that short prompts use.
+        TinySpec(
+            "llama3_gqa4",
+            "LlamaConfig",
+            (
+                ("hidden_size", 128),
+                ("num_attention_heads", 4),
+                ("num_key_value_heads", 1),
+                ("intermediate_size", 256),
+                ("tie_word_embeddings", False),
+                (
+                    "rope_parameters",
+                    (
+                        ("rope_type", "llama3"),
+                        ("rope_theta", 500000.0),
+                        ("factor", 8.0),
+                        ("low_freq_factor", 1.0),
+                        ("high_freq_factor", 4.0),
+                        ("original_max_position_embeddings", 32),
+                    ),
+                ),
+            ),
+        ),
+        # MHA (GQA 1), head_dim 64, tied embeddings, attention and MLP biases.
+        TinySpec(
+            "llama_mha_tied_bias",
+            "LlamaConfig",
+            (
+                ("hidden_size", 128),
+                ("num_attention_heads", 2),
+                ("num_key_value_heads", 2),
+                ("intermediate_size", 192),
+                ("tie_word_embeddings", True),
+                ("attention_bias", True),
+                ("mlp_bias", True),
+            ),
+        ),
+        # GQA 3, head_dim 32, sliding window 8 (prompts run past it).
+        TinySpec(
+            "mistral_window",
+            "MistralConfig",
+            (
+                ("hidden_size", 192),
+                ("num_attention_heads", 6),
+                ("num_key_value_heads", 2),
+                ("intermediate_size", 256),
+                ("sliding_window", 8),
+                ("tie_word_embeddings", False),
+            ),
+        ),
+        # q/k/v bias, tied embeddings, GQA 4, head_dim 32, saved in several shards.
+        TinySpec(
+            "qwen2_tied",
+            "Qwen2Config",
+            (
+                ("hidden_size", 128),
+                ("num_attention_heads", 4),
+                ("num_key_value_heads", 1),
+                ("intermediate_size", 256),
+                ("tie_word_embeddings", True),
+            ),
+            shards=True,
+        ),
+        # q/k RMSNorm per head, head_dim 64 set explicitly (not hidden / heads), GQA 3.
+        TinySpec(
+            "qwen3_qknorm",
+            "Qwen3Config",
+            (
+                ("hidden_size", 96),
+                ("num_attention_heads", 3),
+                ("num_key_value_heads", 1),
+                ("head_dim", 64),
+                ("intermediate_size", 192),
+                ("tie_word_embeddings", False),
+            ),
+        ),
+    ]
+}
+
+
+def _to_kwargs(pairs):
+    return {k: _to_kwargs(v) if isinstance(v, tuple) else v for k, v in pairs}
+
+
+def build_tiny_hf_model(spec: TinySpec, seed: int = 0):
+    """A tiny random HF model (eval mode, f32) with noise on every 1-D parameter.
+
+    Default init sets norms to 1 and biases to 0, which would hide a model that forgets them.
+    """
+    torch, transformers = oracle()
+    torch.manual_seed(seed)
+    kwargs = dict(
+        vocab_size=256,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(_to_kwargs(spec.kwargs))
+    config = getattr(transformers, spec.config_class)(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.5 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None  # greedy runs the full length
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """name -> (HF model, folder it was saved to). Built once per session, on first use."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            spec = TINY_SPECS[name]
+            model = build_tiny_hf_model(spec)
+            folder = tmp_path_factory.mktemp(name)
+            shard = {"max_shard_size": "100KB"} if spec.shards else {}
+            model.save_pretrained(folder, **shard)
+            cache[name] = (model, folder)
+        return cache[name]
+
+    return get
+
+
+def hf_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
+    """HF f32 logits of each prompt on its own: list of [len, V]."""
+    torch, _ = oracle()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            out.append(model(torch.tensor([p])).logits[0].numpy())
+    return out
+
+
+def right_pad(prompts: list[list[int]], pad: int = 0) -> np.ndarray:
+    t = max(len(p) for p in prompts)
+    out = np.full((len(prompts), t), pad, np.int32)
+    for i, p in enumerate(prompts):
+        out[i, : len(p)] = p
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct (the embedded GGUF), ours and HF's, one load each per session
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """Our `LoadedModel` of the embedded GGUF (float32)."""
+    import models
+
+    return models.load()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    _, transformers = oracle()
+    import models
+
+    path = models.default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model():
+    torch, transformers = oracle()
+    import models
+
+    path = models.default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny GGUF files, written the way llama.cpp's converter writes a Llama
+
+
+def byte_level_alphabet() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for bytes 0..255 (GPT-2's scheme)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def permute_qk_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF row order -> llama.cpp's (the inverse of what the loader undoes)."""
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def write_tiny_gguf(path, hf_model=None, *, arch: str = "llama", extra_tensor=None) -> None:
+    """Writes a GGUF with a byte-level vocabulary; weights from `hf_model` (a tiny HF Llama).
+
+    Without a model, writes a 1-layer Llama of zeros (enough for the error tests).
+    `extra_tensor=(name, array)` adds one more tensor (e.g. an unsupported type).
+    """
+    import gguf
+
+    if hf_model is not None:
+        c = hf_model.config
+        dims = dict(
+            layers=c.num_hidden_layers,
+            hidden=c.hidden_size,
+            ffn=c.intermediate_size,
+            heads=c.num_attention_heads,
+            kv_heads=c.num_key_value_heads,
+            vocab=c.vocab_size,
+        )
+        sd = {k: v.detach().numpy().astype(np.float32) for k, v in hf_model.state_dict().items()}
+    else:
+        dims = dict(layers=1, hidden=16, ffn=32, heads=2, kv_heads=1, vocab=256)
+        sd = None
+    head_dim = dims["hidden"] // dims["heads"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(dims["layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(dims["hidden"])
+    w.add_feed_forward_length(dims["ffn"])
+    w.add_head_count(dims["heads"])
+    w.add_head_count_kv(dims["kv_heads"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(dims["vocab"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    tokens = byte_level_alphabet()[: dims["vocab"]]
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def get(hf_name, shape):
+        return np.zeros(shape, np.float32) if sd is None else sd[hf_name]
+
+    h, f, v = dims["hidden"], dims["ffn"], dims["vocab"]
+    q_rows, kv_rows = dims["heads"] * head_dim, dims["kv_heads"] * head_dim
+    w.add_tensor("token_embd.weight", get("model.embed_tokens.weight", (v, h)))
+    for i in range(dims["layers"]):
+        p = f"model.layers.{i}."
+        q = get(p + "self_attn.q_proj.weight", (q_rows, h))
+        k = get(p + "self_attn.k_proj.weight", (kv_rows, h))
+        w.add_tensor(f"blk.{i}.attn_q.weight", permute_qk_like_llama_cpp(q, dims["heads"]))
+        w.add_tensor(f"blk.{i}.attn_k.weight", permute_qk_like_llama_cpp(k, dims["kv_heads"]))
+        w.add_tensor(f"blk.{i}.attn_v.weight", get(p + "self_attn.v_proj.weight", (kv_rows, h)))
+        w.add_tensor(f"blk.{i}.attn_output.weight", get(p + "self_attn.o_proj.weight", (h, q_rows)))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", get(p + "input_layernorm.weight", (h,)))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", get(p + "post_attention_layernorm.weight", (h,)))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", get(p + "mlp.gate_proj.weight", (f, h)))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", get(p + "mlp.up_proj.weight", (f, h)))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", get(p + "mlp.down_proj.weight", (h, f)))
+    w.add_tensor("output_norm.weight", get("model.norm.weight", (h,)))
+    if sd is not None and "lm_head.weight" in sd and not hf_model.config.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    if extra_tensor is not None:
+        w.add_tensor(*extra_tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -1,0 +1,244 @@
+"""Tiny random HF models per family: our loader + decoder against HF transformers (f32).
+
+Families and what each covers are listed in conftest.TINY_SPECS: GQA ratios 1, 3, 4; head dims
+32 and 64; tied and untied embeddings; llama3 RoPE scaling; q/k/v (and o, MLP) biases; Qwen3 q/k
+norms; a Mistral sliding window of 8 with prompts up to 21 tokens; sharded safetensors.
+"""
+
+import copy
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_SPECS, build_tiny_hf_model, hf_logits, oracle, right_pad, write_tiny_gguf
+
+import models
+from models.llama import dense_attention
+
+PROMPT_LENGTHS = (5, 13, 21)
+NEW_TOKENS = 32
+
+
+def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_hf):
+    cache = {}
+
+    def get(name, dtype=jnp.float32):
+        if (name, dtype) not in cache:
+            cache[name, dtype] = models.load(tiny_hf(name)[1], dtype=dtype)
+        return cache[name, dtype]
+
+    return get
+
+
+def _assert_logits_match(ours_padded, refs, tol=1e-4, rel=False):
+    for i, ref in enumerate(refs):
+        diff = np.abs(np.asarray(ours_padded[i, : len(ref)]) - ref).max()
+        bound = tol * np.abs(ref).max() if rel else tol
+        assert diff <= bound, f"prompt {i}: max abs diff {diff:.2e} > {bound:.2e}"
+
+
+def _hf_greedy(model, prompts, n):
+    torch, _ = oracle()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TINY_SPECS))
+def test_logits_match_hf(name, tiny_hf, loaded):
+    hf_model, _ = tiny_hf(name)
+    lm = loaded(name)
+    prompts = _prompts(lm.config.vocab_size)
+    ours = lm.model(jnp.asarray(right_pad(prompts)))
+    assert ours.shape == (3, max(PROMPT_LENGTHS), lm.config.vocab_size)
+    assert ours.dtype == jnp.float32
+    _assert_logits_match(ours, hf_logits(hf_model, prompts))
+
+
+@pytest.mark.parametrize("name", sorted(TINY_SPECS))
+def test_greedy_matches_hf(name, tiny_hf, loaded):
+    hf_model, _ = tiny_hf(name)
+    lm = loaded(name)
+    prompts = _prompts(lm.config.vocab_size, seed=2)
+    ours = models.greedy_generate(lm.model, prompts, NEW_TOKENS)
+    assert ours == _hf_greedy(hf_model, prompts, NEW_TOKENS)
+
+
+def test_configs_cover_the_matrix(loaded):
+    cfgs = [loaded(n).config for n in TINY_SPECS]
+    assert {c.num_queries_per_kv for c in cfgs} >= {1, 3, 4}
+    assert {c.head_dim for c in cfgs} >= {32, 64}
+    assert {c.tie_word_embeddings for c in cfgs} == {True, False}
+    assert {c.model_type for c in cfgs} == {"llama", "mistral", "qwen2", "qwen3"}
+    by = {n: loaded(n).config for n in TINY_SPECS}
+    assert by["llama3_gqa4"].rope_type == "llama3"
+    assert by["mistral_window"].sliding_window == 8 < max(PROMPT_LENGTHS)
+    assert by["qwen2_tied"].qkv_bias and not by["qwen2_tied"].o_bias
+    assert by["qwen3_qknorm"].qk_norm and by["qwen3_qknorm"].head_dim == 64
+    assert by["llama_mha_tied_bias"].o_bias and by["llama_mha_tied_bias"].mlp_bias
+    assert by["llama3_gqa4"].scale == 32**-0.5
+
+
+def test_sharded_folder_was_sharded(tiny_hf):
+    _, folder = tiny_hf("qwen2_tied")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+
+
+def test_old_rope_spelling(tiny_hf, loaded, tmp_path):
+    """transformers < 5 wrote `rope_theta` and `rope_scaling` at the top level."""
+    _, folder = tiny_hf("llama3_gqa4")
+    for f in folder.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in rope.items()}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    old = models.load(tmp_path)
+    assert old.config == loaded("llama3_gqa4").config
+    tokens = jnp.asarray(right_pad(_prompts(256)))
+    np.testing.assert_array_equal(old.model(tokens), loaded("llama3_gqa4").model(tokens))
+
+
+def test_bfloat16(tiny_hf, loaded):
+    hf_model, _ = tiny_hf("mistral_window")
+    lm = loaded("mistral_window", jnp.bfloat16)
+    assert lm.model.embed_tokens.embedding.dtype == jnp.bfloat16
+    assert lm.model.layers[0].self_attn.q_proj.kernel.dtype == jnp.bfloat16
+    prompts = _prompts(256)
+    ours = lm.model(jnp.asarray(right_pad(prompts)))
+    assert ours.dtype == jnp.float32
+    # bf16 keeps 8 bits of mantissa: allow a few percent of the logit range.
+    _assert_logits_match(ours, hf_logits(hf_model, prompts), tol=0.05, rel=True)
+
+
+def test_bfloat16_safetensors_file(tmp_path):
+    """A bf16 checkpoint loads exactly into f32 (bf16 -> f32 is lossless)."""
+    torch, _ = oracle()
+    hf_model = build_tiny_hf_model(TINY_SPECS["qwen3_qknorm"], seed=3)
+    with torch.no_grad():  # round the parameters (not the RoPE buffers) to bf16 in place
+        for p in hf_model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(tmp_path)
+    lm = models.load(tmp_path)
+    prompts = _prompts(256)
+    _assert_logits_match(lm.model(jnp.asarray(right_pad(prompts))), hf_logits(hf_model, prompts))
+
+
+def test_generation_config_and_no_tokenizer(tiny_hf, tmp_path):
+    _, folder = tiny_hf("llama_mha_tied_bias")
+    for f in folder.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    gen = {"eos_token_id": [2, 7], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    lm = models.load(tmp_path)
+    assert lm.tokenizer is None
+    assert lm.generation_config.eos_token_ids == [2, 7]
+    assert lm.generation_config.temperature == 0.6 and lm.generation_config.top_p == 0.9
+    assert lm.generation_config.do_sample is True
+    (tmp_path / "generation_config.json").unlink()
+    assert models.load(tmp_path).generation_config.eos_token_ids == [2]  # from config.json
+
+
+def test_orbax_checkpoint_roundtrip(loaded, tmp_path):
+    lm = loaded("qwen3_qknorm")
+    models.save_checkpoint(lm, tmp_path / "ckpt")
+    back = models.load(tmp_path / "ckpt")
+    assert back.config == lm.config
+    assert back.generation_config == lm.generation_config
+    tokens = jnp.asarray(right_pad(_prompts(256)))
+    np.testing.assert_array_equal(back.model(tokens), lm.model(tokens))
+    bf16 = models.load(tmp_path / "ckpt", dtype=jnp.bfloat16)
+    assert bf16.model.layers[1].mlp.up_proj.kernel.dtype == jnp.bfloat16
+
+
+def test_gguf_from_tiny_llama(tiny_hf, tmp_path):
+    """A GGUF written like llama.cpp's converter (Q/K rows permuted) loads back to HF's logits."""
+    hf_model, _ = tiny_hf("llama3_gqa4")
+    # The llama3 spec's rope scaling has no GGUF spelling; use a default-rope twin for the file.
+    torch, transformers = oracle()
+    cfg = hf_model.config.to_dict()
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    twin = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+    twin.load_state_dict(hf_model.state_dict())
+    write_tiny_gguf(tmp_path / "tiny.gguf", twin)
+    lm = models.load(tmp_path / "tiny.gguf")
+    assert lm.config.num_queries_per_kv == 4
+    prompts = _prompts(256)
+    _assert_logits_match(lm.model(jnp.asarray(right_pad(prompts))), hf_logits(twin, prompts))
+    assert lm.tokenizer.decode(lm.tokenizer.encode("héllo, wörld")) == "héllo, wörld"
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention-function contract the engine builds on
+
+
+def test_attention_function_contract(loaded):
+    lm = loaded("mistral_window")
+    c = lm.config
+    tokens = jnp.asarray(right_pad(_prompts(256)))
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    seen = []
+
+    def attn(layer, q, k, v, kv):
+        seen.append((layer, q.shape, k.shape, v.shape))
+        out = dense_attention(
+            q, k, v, scale=c.scale, q_positions=positions, k_positions=positions,
+            sliding_window=c.sliding_window,
+        )  # fmt: skip
+        return out, kv + 1
+
+    logits, kv = lm.model.forward(tokens, positions, attn, 0)
+    assert kv == c.num_layers
+    hd = c.head_dim
+    assert seen == [(i, (b, t, 6, hd), (b, t, 2, hd), (b, t, 2, hd)) for i in range(c.num_layers)]
+    np.testing.assert_allclose(logits, lm.model(tokens), atol=1e-6)
+
+
+def test_chunked_prefill_with_cache_attention(loaded):
+    """Two chunks through a cache-carrying attention function equal one dense pass."""
+    lm = loaded("mistral_window")
+    c = lm.config
+    tokens = jnp.asarray(right_pad(_prompts(256)))[:, :20]
+    b = tokens.shape[0]
+    shape = (b, 32, c.num_kv_heads, c.head_dim)
+    kv = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(c.num_layers)]
+    outs = []
+    for lo, hi in ((0, 12), (12, 20)):
+        pos = jnp.broadcast_to(jnp.arange(lo, hi, dtype=jnp.int32), (b, hi - lo))
+        attn = models.make_contiguous_cache_attention(c, pos)
+        logits, kv = lm.model.forward(tokens[:, lo:hi], pos, attn, kv)
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), lm.model(tokens), atol=1e-5)
+
+
+def test_dense_attention_window_by_hand():
+    """One head, D=1, k = 0 everywhere so every visible key weighs the same: out = mean of the
+    visible values. Values are positions 0..4; window 2 -> query 4 sees keys 3, 4 -> 3.5."""
+    q = jnp.ones((1, 5, 1, 1))
+    k = jnp.zeros((1, 5, 1, 1))
+    v = jnp.arange(5.0).reshape(1, 5, 1, 1)
+    pos = jnp.arange(5)[None]
+    causal = dense_attention(q, k, v, scale=1.0, q_positions=pos, k_positions=pos)
+    np.testing.assert_allclose(causal[0, :, 0, 0], [0, 0.5, 1, 1.5, 2])
+    windowed = dense_attention(
+        q, k, v, scale=1.0, q_positions=pos, k_positions=pos, sliding_window=2
+    )
+    np.testing.assert_allclose(windowed[0, :, 0, 0], [0, 0.5, 1.5, 2.5, 3.5])
+    assert jax.numpy.isfinite(windowed).all()
