@@ -9,10 +9,13 @@ Mosaic GPU, for three reasons:
   need Hopper (sm_90) or newer. On GPUs older than Hopper this same kernel is what runs.
 * It runs in Pallas's interpreter on the CPU with ``interpret=True``, so CI (no GPU) checks the
   kernel's arithmetic, masking and indexing against the reference on every commit.
-* The same code lowers on jax 0.10.2 (here) and 0.11.2 (the H200 machine). jax 0.12 marks the
-  Triton backend deprecated in favour of Mosaic GPU; it still works there. A Mosaic GPU variant
-  (TMA page copies, warp-specialised pipelining) is the follow-up if Hopper needs the last few
-  percent of bandwidth; the dispatch in `pallas_kernels.ops` would pick it by compute capability.
+* The same code runs on jax 0.10.2 (CI) and 0.11.2 (the H200 machine): both its interpreter
+  and its lowering to Triton IR for an H200 are tested under each (tests/test_gpu_kernel.py).
+  jax 0.11.2 already emits a DeprecationWarning at lowering (the Triton backend is to be
+  replaced by Mosaic GPU); it still lowers and runs. A Mosaic GPU variant (TMA page copies,
+  warp-specialised pipelining) is the follow-up for Hopper and newer once the Triton backend
+  goes; the dispatch in `pallas_kernels.ops` would then pick by compute capability and keep
+  this kernel for pre-Hopper GPUs.
 
 How it works
 ------------

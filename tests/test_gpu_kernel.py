@@ -134,7 +134,7 @@ def test_ragged_decode_step_and_long_prefill_chunk():
     ],
 )
 def test_triton_lowering(form, dtype, window, cap):
-    """Lowers for CUDA through the Triton backend on this CPU-only machine."""
+    """Lowers for CUDA (an H200) through the Triton backend on this CPU-only machine."""
     b, h, kvh, d, n, bs, p = 7, 36, 4, 128, 257, 16, 33  # odd sizes: only values need 2^k
     sds = jax.ShapeDtypeStruct
     pages = sds((kvh, n, bs, d), dtype)
@@ -154,9 +154,13 @@ def test_triton_lowering(form, dtype, window, cap):
             sds((b + 1,), jnp.int32),
             sds((), jnp.int32),
         )
-    exported = export.export(
-        jax.jit(fn),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*args)
+    # jax >= 0.11 reads the target GPU from the abstract mesh when no GPU is attached.
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = export.export(
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args)
     assert "xla.gpu.triton" in exported.mlir_module()
