@@ -617,7 +617,7 @@ def sample(
       key: the engine key, ``jax.random.key(engine_seed)`` (or its u32[2] data); only rows
         without a seed use it, and it need not change between steps.
       num_top_logprobs: N, top entries returned per row (the largest ``logprobs`` in the batch).
-      max_candidates: logits gathered by ``lax.top_k`` before falling back to a full sort for
+      max_candidates: logits gathered by ``lax.top_k`` before falling back to the bisection for
         top-k / top-p (see the module docstring).
 
     Returns:

@@ -111,7 +111,7 @@ def _batch(seed=0):
 
 @pytest.mark.parametrize("max_candidates", [256, 3])
 def test_process_logits_matches_reference(max_candidates):
-    # 256 >= V: one full sort. 3: the top_k candidate path, with the full-sort fallback
+    # 256 >= V: all candidates (a sort). 3: the top_k candidate path, with the bisection fallback
     # for rows whose kept set does not fit in the candidates.
     for seed in range(3):
         logits, prompts, outputs = _batch(seed)
@@ -335,7 +335,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert len(set(alone.tolist())) > 1
     np.testing.assert_array_equal(run([others[0], target, others[1]], 1, pad_to=3), alone)
     np.testing.assert_array_equal(run(others[1:] + [target], 5), alone)
-    # A small candidate set forces the full-sort fallback for some rows and not for others.
+    # A small candidate set forces the bisection fallback for some rows and not for others.
     np.testing.assert_array_equal(run([target] + others, 0, max_candidates=4), alone)
     np.testing.assert_array_equal(run(others[::-1] + [target], 6, max_candidates=4), alone)
     # The engine key only matters for rows without a seed.
