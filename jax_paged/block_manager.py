@@ -23,7 +23,9 @@ Where the blocks live::
     free:       ref_counts[b] == 0, b not cached; b is in free_stack[:num_free] (LIFO).
     evictable:  ref_counts[b] == 0, b cached (a full block whose K/V may be reused by a later
                 prompt with the same prefix); found by prefix match, evicted least recently
-                freed first (`lru_stamp`) when the free stack runs dry.
+                freed first when the free stack runs dry. `evict_queue` lists them in the
+                order they were freed (a ring; entries of blocks revived since are stale and
+                skipped when popped, or dropped by a compaction when the ring fills).
 
 The cache holds no references: refcount == number of block-table entries pointing at the block.
 
@@ -43,11 +45,14 @@ finds a candidate: a match also checks the block's stored tokens and that its st
 the block matched one position earlier, so by induction the whole prefix is equal token for
 token and a hash or bucket collision can only cost a miss, never give a request another
 request's K/V. (Parents outlive their cached children: a block's refcount is never below its
-cached child's, and within one `free` deeper logical blocks get the older stamps.)
+cached child's, and within one `free` deeper logical blocks are queued first.)
 
 Costs: reserve, token_slots, free, fork, match and insert are O(S * P) (plus O(M * P * bs)
-token compares for match/insert). Evicting cached blocks is O(N log k) per `evict_chunk`
-blocks (`lax.top_k` over the pool) and runs only when the free stack cannot cover a grant.
+token compares for match/insert). Eviction pops the queue in windows of `evict_chunk` entries,
+O(evicted + stale entries skipped). A `free` that would overflow the queue ring first compacts
+it, O(N), at most once per N queued blocks (amortised O(1)). Nothing else touches all N blocks
+(scatters into the state's own [N] arrays are in place when the state is donated or carried
+through a `scan`).
 """
 
 from __future__ import annotations
@@ -85,12 +90,16 @@ class BlockManagerState:
       block_hash: u32[N] chained key of a cached block (`block_hashes`).
       block_parent: i32[N] physical block before a cached block in its sequence (0 for roots).
       block_tokens: i32[N, bs] token ids of a cached block (verified on every match).
-      lru_stamp: i32[N] for evictable blocks, when they were freed (smaller = evicted sooner);
-        unspecified for other blocks.
-      clock: i32[] next stamp.
+      evict_queue: i32[C] ring (C = 2N) of evictable blocks, least recently freed first, from
+        `queue_head` for `queue_len` entries; stale entries (block revived, re-queued or
+        evicted since) are skipped.
+      queue_pos: i32[N] ring index of an evictable block's live entry (an entry at index q
+        for block b is live iff b is evictable and queue_pos[b] == q); unspecified otherwise.
+      queue_head: i32[] ring index of the oldest entry.
+      queue_len: i32[] entries in the ring, stale ones included.
       hash_table: i32[H] direct-mapped bucket -> cached block id (0 = empty); H a power of two.
       block_size: static tokens per block.
-      evict_chunk: static blocks evicted per `lax.top_k` round.
+      evict_chunk: static queue entries examined per eviction round.
     """
 
     block_tables: jax.Array
@@ -104,8 +113,10 @@ class BlockManagerState:
     block_hash: jax.Array
     block_parent: jax.Array
     block_tokens: jax.Array
-    lru_stamp: jax.Array
-    clock: jax.Array
+    evict_queue: jax.Array
+    queue_pos: jax.Array
+    queue_head: jax.Array
+    queue_len: jax.Array
     hash_table: jax.Array
     block_size: int = struct.field(pytree_node=False, default=16)
     evict_chunk: int = struct.field(pytree_node=False, default=256)
@@ -173,11 +184,13 @@ def init_state(
         block_hash=jnp.zeros(n, jnp.uint32),
         block_parent=jnp.zeros(n, jnp.int32),
         block_tokens=jnp.zeros((n, block_size), jnp.int32),
-        lru_stamp=jnp.zeros(n, jnp.int32),
-        clock=jnp.int32(0),
+        evict_queue=jnp.zeros(2 * n, jnp.int32),
+        queue_pos=jnp.zeros(n, jnp.int32),
+        queue_head=jnp.int32(0),
+        queue_len=jnp.int32(0),
         hash_table=jnp.zeros(hash_table_size, jnp.int32),
         block_size=block_size,
-        evict_chunk=min(evict_chunk, n),
+        evict_chunk=min(evict_chunk, 2 * n),
     )
 
 
@@ -255,17 +268,24 @@ def _bucket(keys, table_size):
 # Eviction.
 
 
+def _entry_live(state: BlockManagerState, q):
+    """bool like q: the queue entry at ring index q names an evictable block."""
+    b = state.evict_queue[q]
+    return state.cached[b] & (state.ref_counts[b] == 0) & (state.queue_pos[b] == q)
+
+
 def _evict(state: BlockManagerState, count) -> BlockManagerState:
     """Moves the `count` least recently freed evictable blocks onto the free stack.
 
-    The oldest ends on top (handed out first). Requires count <= num_evictable. Runs
-    ceil(count / evict_chunk) rounds of `lax.top_k` over the pool; zero rounds when count == 0.
+    The oldest ends on top (handed out first). Requires count <= num_evictable. Pops the queue
+    in windows of `evict_chunk` entries, skipping stale ones; zero rounds when count == 0.
     """
     n = state.num_blocks
-    k = state.evict_chunk
+    c = state.evict_queue.shape[0]
+    w = state.evict_chunk
     hsize = state.hash_table.shape[0]
     base = state.num_free
-    ar = jnp.arange(k, dtype=jnp.int32)
+    ar = jnp.arange(w, dtype=jnp.int32)
 
     def cond(carry):
         _, done = carry
@@ -273,25 +293,46 @@ def _evict(state: BlockManagerState, count) -> BlockManagerState:
 
     def body(carry):
         st, done = carry
-        evictable = st.cached & (st.ref_counts == 0)
-        key = jnp.where(evictable, -st.lru_stamp, _I32_MIN)
-        _, idx = jax.lax.top_k(key, k)
-        idx = idx.astype(jnp.int32)
-        rank = done + ar  # global age rank, 0 = oldest
-        take = rank < count
+        q = (st.queue_head + ar) % c
+        live = (ar < st.queue_len) & _entry_live(st, q)
+        rank = done + jnp.cumsum(live) - live  # global age rank among popped, 0 = oldest
+        take = live & (rank < count)
+        blk = st.evict_queue[q]
+        # Advance past everything examined, or just past the last block taken.
+        last = jnp.max(jnp.where(take, ar, -1))
+        adv = jnp.where(done + live.sum() <= count, jnp.minimum(w, st.queue_len), last + 1)
         pos = jnp.where(take, base + count - 1 - rank, n)
-        drop_idx = jnp.where(take, idx, n)
+        drop = jnp.where(take, blk, n)
         st = st.replace(
-            free_stack=st.free_stack.at[pos].set(idx, mode="drop"),
-            cached=st.cached.at[drop_idx].set(False, mode="drop"),
+            free_stack=st.free_stack.at[pos].set(blk, mode="drop"),
+            cached=st.cached.at[drop].set(False, mode="drop"),
             hash_table=st.hash_table.at[
-                jnp.where(take, _bucket(st.block_hash[idx], hsize), hsize)
+                jnp.where(take, _bucket(st.block_hash[blk], hsize), hsize)
             ].set(0, mode="drop"),
+            queue_head=(st.queue_head + adv) % c,
+            queue_len=st.queue_len - adv,
         )
-        return st, done + k
+        return st, done + take.sum(dtype=jnp.int32)
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state.replace(num_free=state.num_free + count, num_evictable=state.num_evictable - count)
+
+
+def _compact_queue(state: BlockManagerState) -> BlockManagerState:
+    """Drops the stale entries of the eviction queue, keeping order; O(N)."""
+    c = state.evict_queue.shape[0]
+    n = state.num_blocks
+    ar = jnp.arange(c, dtype=jnp.int32)
+    q = (state.queue_head + ar) % c
+    live = (ar < state.queue_len) & _entry_live(state, q)
+    new = jnp.cumsum(live) - live
+    blk = state.evict_queue[q]
+    return state.replace(
+        evict_queue=state.evict_queue.at[jnp.where(live, new, c)].set(blk, mode="drop"),
+        queue_pos=state.queue_pos.at[jnp.where(live, blk, n)].set(new, mode="drop"),
+        queue_head=jnp.int32(0),
+        queue_len=live.sum(dtype=jnp.int32),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,14 +398,15 @@ def reserve(
     cow_g = cow & granted
     rc = state.ref_counts.at[jnp.where(cow_g, last, n)].add(-1, mode="drop")
     all_cow = cow_g & (rc[last] == 0)
-    stamp, keeper = _first_occurrence(state.lru_stamp, last, all_cow, slots, n)
+    # queue_pos of in-use blocks is dead, so it serves as scratch.
+    scratch, keeper = _first_occurrence(state.queue_pos, last, all_cow, slots, n)
     rc = rc.at[jnp.where(keeper, last, n)].add(1, mode="drop")
     do_cow = cow_g & ~keeper
 
     take = jnp.where(granted, new_nb - old_nb + do_cow, 0)
     off = jnp.zeros(s, jnp.int32).at[order].set(_excl_cumsum(take[order]))
     total = take.sum()
-    state = state.replace(ref_counts=rc, lru_stamp=stamp)
+    state = state.replace(ref_counts=rc, queue_pos=scratch)
     state = _evict(state, jnp.clip(total - state.num_free, 0, state.num_evictable))
     top = state.num_free
     stack = state.free_stack
@@ -433,19 +475,28 @@ def free(state: BlockManagerState, mask: jax.Array) -> BlockManagerState:
     rc = state.ref_counts.at[jnp.where(ent, bt, n)].add(-1, mode="drop")
     zero = ent & (rc[bt] == 0)
     # Entries in release order: logical block descending, then slot ascending. Deeper blocks
-    # first, so a cached child always gets an older stamp than its parent (evicted first).
+    # first, so a cached child is always queued before its parent (evicted first).
     zero_r, bt_r = zero.T[::-1].reshape(-1), bt.T[::-1].reshape(-1)
     e = jnp.arange(s * p, dtype=jnp.int32)
-    stamp, first = _first_occurrence(state.lru_stamp, bt_r, zero_r, e, n)
+    qpos, first = _first_occurrence(state.queue_pos, bt_r, zero_r, e, n)
     was_cached = state.cached[bt_r]
     push = first & ~was_cached
     ev = first & was_cached
     stack = state.free_stack.at[jnp.where(push, state.num_free + _excl_cumsum(push), n)].set(
         bt_r, mode="drop"
     )
-    stamp = stamp.at[jnp.where(ev, bt_r, n)].set(state.clock + _excl_cumsum(ev), mode="drop")
     n_push = push.sum(dtype=jnp.int32)
     n_ev = ev.sum(dtype=jnp.int32)
+    # Queue the newly evictable blocks at the ring's tail (compacting first if it is full).
+    c = state.evict_queue.shape[0]
+    state = state.replace(queue_pos=qpos)
+    state = jax.lax.cond(state.queue_len + n_ev > c, _compact_queue, lambda st: st, state)
+    tail = (state.queue_head + state.queue_len + _excl_cumsum(ev)) % c
+    state = state.replace(
+        evict_queue=state.evict_queue.at[jnp.where(ev, tail, c)].set(bt_r, mode="drop"),
+        queue_pos=state.queue_pos.at[jnp.where(ev, bt_r, n)].set(tail, mode="drop"),
+        queue_len=state.queue_len + n_ev,
+    )
     return state.replace(
         block_tables=jnp.where(m[:, None], 0, bt),
         seq_lens=jnp.where(m, 0, state.seq_lens),
@@ -454,8 +505,6 @@ def free(state: BlockManagerState, mask: jax.Array) -> BlockManagerState:
         free_stack=stack,
         num_free=state.num_free + n_push,
         num_evictable=state.num_evictable + n_ev,
-        lru_stamp=stamp,
-        clock=state.clock + n_ev,
     )
 
 
@@ -544,8 +593,8 @@ def match_prefix(
     ent = j < matched[:, None]
     blocks = jnp.where(ent, cand, 0)
     revive = ent & (state.ref_counts[cand] == 0)
-    stamp, first = _first_occurrence(
-        state.lru_stamp, cand, revive, jnp.arange(mm * k, dtype=jnp.int32).reshape(mm, k), n
+    scratch, first = _first_occurrence(  # revived blocks leave the queue: their entries go stale
+        state.queue_pos, cand, revive, jnp.arange(mm * k, dtype=jnp.int32).reshape(mm, k), n
     )
     rows = jnp.zeros((mm, p), jnp.int32).at[:, :k].set(blocks)
     dst = jnp.where(ok, sc, s)
@@ -555,7 +604,7 @@ def match_prefix(
         live=state.live.at[dst].set(True, mode="drop"),
         ref_counts=state.ref_counts.at[jnp.where(ent, cand, n)].add(1, mode="drop"),
         num_evictable=state.num_evictable - first.sum(dtype=jnp.int32),
-        lru_stamp=stamp,
+        queue_pos=scratch,
     )
     return state, matched * bs, ok
 
@@ -655,11 +704,27 @@ def check_invariants(state: BlockManagerState) -> None:
     hsize = table.shape[0]
     hashes = np.asarray(st.block_hash)
     parent = np.asarray(st.block_parent)
-    stamp = np.asarray(st.lru_stamp)
+    order = {b: i for i, b in enumerate(eviction_order(st))}
+    assert sorted(order) == np.flatnonzero(evictable).tolist(), "eviction queue != evictable"
     for b in np.flatnonzero(cached):
         assert table[hashes[b] & (hsize - 1)] == b, "cached block not in its bucket"
         pb = parent[b]
         assert pb == 0 or cached[pb], "cached block's parent not cached"
         if pb and evictable[b] and evictable[pb]:
-            assert stamp[b] < stamp[pb], "parent would be evicted before its child"
+            assert order[b] < order[pb], "parent would be evicted before its child"
     assert np.count_nonzero(table) == cached.sum(), "stale hash-table entry"
+
+
+def eviction_order(state: BlockManagerState) -> list[int]:
+    """Host-side: the evictable blocks, next to be evicted first (live queue entries)."""
+    st = jax.device_get(state)
+    queue, pos = np.asarray(st.evict_queue), np.asarray(st.queue_pos)
+    rc, cached = np.asarray(st.ref_counts), np.asarray(st.cached)
+    c = queue.shape[0]
+    out = []
+    for i in range(int(st.queue_len)):
+        q = (int(st.queue_head) + i) % c
+        b = int(queue[q])
+        if cached[b] and rc[b] == 0 and pos[b] == q:
+            out.append(b)
+    return out

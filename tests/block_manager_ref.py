@@ -51,11 +51,10 @@ class RefBlockManager:
         self.stack = list(range(num_blocks - 1, 0, -1))  # last element = top
         self.cache: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block -> key, parent, toks
         self.buckets: dict[int, int] = {}  # bucket -> block
-        self.stamp: dict[int, int] = {}  # evictable block -> stamp
-        self.clock = 0
+        self.evictable: dict[int, None] = {}  # cached blocks with refcount 0, oldest first
 
     def num_free_blocks(self) -> int:
-        return len(self.stack) + len(self.stamp)
+        return len(self.stack) + len(self.evictable)
 
     # -- reserve ----------------------------------------------------------------------------
     def reserve(self, num_new, priority=None):
@@ -113,9 +112,9 @@ class RefBlockManager:
         return ok, src, dst
 
     def _evict(self, count):
-        victims = sorted(self.stamp, key=lambda b: self.stamp[b])[:count]  # oldest first
+        victims = list(self.evictable)[:count]  # oldest first
         for b in victims:
-            del self.stamp[b]
+            del self.evictable[b]
             key = self.cache.pop(b)[0]
             del self.buckets[key & (self.hsize - 1)]
         self.stack.extend(reversed(victims))  # oldest on top
@@ -141,8 +140,7 @@ class RefBlockManager:
             if self.rc[b] == 0 and b not in seen:
                 seen.add(b)
                 if b in self.cache:
-                    self.stamp[b] = self.clock
-                    self.clock += 1
+                    self.evictable[b] = None
                 else:
                     self.stack.append(b)
 
@@ -195,7 +193,7 @@ class RefBlockManager:
                 self.live[slot] = True
                 for b in matched:
                     self.rc[b] += 1
-                    self.stamp.pop(b, None)  # revived
+                    self.evictable.pop(b, None)  # revived
         return [len(m) * bs for m in results], ok
 
     def cache_full_blocks(self, slots, tokens, num_tokens):

@@ -278,3 +278,20 @@ def test_init_checks():
         bm.init_state(1, 4, 1, 1)
     with pytest.raises(ValueError, match="hash_table_size"):
         bm.init_state(8, 4, 1, 1, hash_table_size=12)
+
+
+def test_eviction_queue_skips_revived_entries_and_compacts_when_full():
+    st = bm.init_state(4, 2, 2, 3, evict_chunk=1)  # ring of 8 entries, 3 usable blocks
+    toks = [5, 6, 7]
+    st, *_ = _reserve(st, [3, 0])  # [1, 2]
+    st = _insert(st, 0, toks)  # block 1 cached
+    st = bm.free(st, jnp.array([True, False]))
+    for _ in range(12):  # revive and free again: each round leaves a stale entry
+        st, cached, _ = _match(st, 1, toks)
+        assert cached == 2
+        st = bm.free(st, jnp.array([False, True]))
+        bm.check_invariants(st)
+    assert int(st.queue_len) <= 8 and bm.eviction_order(st) == [1]
+    st, ok, _, _ = _reserve(st, [0, 6])  # needs all 3 blocks: 2 and 3, then evicts 1
+    assert ok == [True, True]
+    assert sorted(_bt(st)[1]) == [1, 2, 3] and int(st.num_evictable) == 0

@@ -51,8 +51,7 @@ def _snapshot(st):
             for b in cached
         },
         buckets={int(i): int(table[i]) for i in np.flatnonzero(table)},
-        stamp={int(b): int(st.lru_stamp[b]) for b in cached if rc[b] == 0},
-        clock=int(st.clock),
+        evictable=bm.eviction_order(st),
     )
 
 
@@ -65,8 +64,7 @@ def _ref_snapshot(ref: RefBlockManager):
         stack=ref.stack,
         cache=ref.cache,
         buckets=ref.buckets,
-        stamp=ref.stamp,
-        clock=ref.clock,
+        evictable=list(ref.evictable),
     )
 
 
