@@ -14,12 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_SPECS, build_tiny_hf_model, hf_logits, oracle, right_pad, write_tiny_gguf
+from flax import nnx
 
 import models
 from models.llama import dense_attention
 
 PROMPT_LENGTHS = (5, 13, 21)
 NEW_TOKENS = 32
+
+# Jitted dense forward: one compile per (model, shape) beats eager's per-op compiles here.
+logits_of = nnx.jit(lambda model, tokens: model(tokens))
 
 
 def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
@@ -63,7 +67,7 @@ def test_logits_match_hf(name, tiny_hf, loaded):
     hf_model, _ = tiny_hf(name)
     lm = loaded(name)
     prompts = _prompts(lm.config.vocab_size)
-    ours = lm.model(jnp.asarray(right_pad(prompts)))
+    ours = logits_of(lm.model, jnp.asarray(right_pad(prompts)))
     assert ours.shape == (3, max(PROMPT_LENGTHS), lm.config.vocab_size)
     assert ours.dtype == jnp.float32
     _assert_logits_match(ours, hf_logits(hf_model, prompts))
@@ -112,7 +116,9 @@ def test_old_rope_spelling(tiny_hf, loaded, tmp_path):
     old = models.load(tmp_path)
     assert old.config == loaded("llama3_gqa4").config
     tokens = jnp.asarray(right_pad(_prompts(256)))
-    np.testing.assert_array_equal(old.model(tokens), loaded("llama3_gqa4").model(tokens))
+    np.testing.assert_array_equal(
+        logits_of(old.model, tokens), logits_of(loaded("llama3_gqa4").model, tokens)
+    )
 
 
 def test_bfloat16(tiny_hf, loaded):
@@ -121,7 +127,7 @@ def test_bfloat16(tiny_hf, loaded):
     assert lm.model.embed_tokens.embedding.dtype == jnp.bfloat16
     assert lm.model.layers[0].self_attn.q_proj.kernel.dtype == jnp.bfloat16
     prompts = _prompts(256)
-    ours = lm.model(jnp.asarray(right_pad(prompts)))
+    ours = logits_of(lm.model, jnp.asarray(right_pad(prompts)))
     assert ours.dtype == jnp.float32
     # bf16 keeps 8 bits of mantissa: allow a few percent of the logit range.
     _assert_logits_match(ours, hf_logits(hf_model, prompts), tol=0.05, rel=True)
@@ -137,7 +143,9 @@ def test_bfloat16_safetensors_file(tmp_path):
     copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(tmp_path)
     lm = models.load(tmp_path)
     prompts = _prompts(256)
-    _assert_logits_match(lm.model(jnp.asarray(right_pad(prompts))), hf_logits(hf_model, prompts))
+    _assert_logits_match(
+        logits_of(lm.model, jnp.asarray(right_pad(prompts))), hf_logits(hf_model, prompts)
+    )
 
 
 def test_generation_config_and_no_tokenizer(tiny_hf, tmp_path):
@@ -162,7 +170,7 @@ def test_orbax_checkpoint_roundtrip(loaded, tmp_path):
     assert back.config == lm.config
     assert back.generation_config == lm.generation_config
     tokens = jnp.asarray(right_pad(_prompts(256)))
-    np.testing.assert_array_equal(back.model(tokens), lm.model(tokens))
+    np.testing.assert_array_equal(logits_of(back.model, tokens), logits_of(lm.model, tokens))
     bf16 = models.load(tmp_path / "ckpt", dtype=jnp.bfloat16)
     assert bf16.model.layers[1].mlp.up_proj.kernel.dtype == jnp.bfloat16
 
@@ -180,7 +188,9 @@ def test_gguf_from_tiny_llama(tiny_hf, tmp_path):
     lm = models.load(tmp_path / "tiny.gguf")
     assert lm.config.num_queries_per_kv == 4
     prompts = _prompts(256)
-    _assert_logits_match(lm.model(jnp.asarray(right_pad(prompts))), hf_logits(twin, prompts))
+    _assert_logits_match(
+        logits_of(lm.model, jnp.asarray(right_pad(prompts))), hf_logits(twin, prompts)
+    )
     assert lm.tokenizer.decode(lm.tokenizer.encode("héllo, wörld")) == "héllo, wörld"
 
 
@@ -204,11 +214,12 @@ def test_attention_function_contract(loaded):
         )  # fmt: skip
         return out, kv + 1
 
-    logits, kv = lm.model.forward(tokens, positions, attn, 0)
+    # `seen` fills while tracing, once per layer call.
+    logits, kv = nnx.jit(lambda m, t, p: m.forward(t, p, attn, 0))(lm.model, tokens, positions)
     assert kv == c.num_layers
     hd = c.head_dim
     assert seen == [(i, (b, t, 6, hd), (b, t, 2, hd), (b, t, 2, hd)) for i in range(c.num_layers)]
-    np.testing.assert_allclose(logits, lm.model(tokens), atol=1e-6)
+    np.testing.assert_allclose(logits, logits_of(lm.model, tokens), atol=1e-6)
 
 
 def test_chunked_prefill_with_cache_attention(loaded):
@@ -220,12 +231,17 @@ def test_chunked_prefill_with_cache_attention(loaded):
     shape = (b, 32, c.num_kv_heads, c.head_dim)
     kv = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(c.num_layers)]
     outs = []
+
+    @nnx.jit
+    def chunk(model, tokens, pos, kv):
+        attn = models.make_contiguous_cache_attention(model.config, pos)
+        return model.forward(tokens, pos, attn, kv)
+
     for lo, hi in ((0, 12), (12, 20)):
         pos = jnp.broadcast_to(jnp.arange(lo, hi, dtype=jnp.int32), (b, hi - lo))
-        attn = models.make_contiguous_cache_attention(c, pos)
-        logits, kv = lm.model.forward(tokens[:, lo:hi], pos, attn, kv)
+        logits, kv = chunk(lm.model, tokens[:, lo:hi], pos, kv)
         outs.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), lm.model(tokens), atol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), logits_of(lm.model, tokens), atol=1e-5)
 
 
 def test_dense_attention_window_by_hand():
@@ -242,3 +258,14 @@ def test_dense_attention_window_by_hand():
     )
     np.testing.assert_allclose(windowed[0, :, 0, 0], [0, 0.5, 1.5, 2.5, 3.5])
     assert jax.numpy.isfinite(windowed).all()
+
+
+def test_greedy_stops_at_eos(loaded):
+    lm = loaded("qwen2_tied")
+    prompts = _prompts(256, seed=2)
+    full = models.greedy_generate(lm.model, prompts, NEW_TOKENS)
+    eos = full[0][5]
+    out = models.greedy_generate(lm.model, prompts, NEW_TOKENS, eos_token_ids=[eos])
+    assert out[0] == full[0][: full[0].index(eos) + 1]
+    for o, f in zip(out, full, strict=True):
+        assert o == (f[: f.index(eos) + 1] if eos in f else f)
