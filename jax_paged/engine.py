@@ -61,6 +61,8 @@ class EngineConfig:
         (1 = a host round trip per token).
       seed: engine seed for requests without their own.
       attention_impl: "auto", "reference", "gpu" or "tpu" (`pallas_kernels.paged_attention`).
+      attention_interpret: run the Pallas kernels in the interpreter (tests on the CPU).
+      max_logprobs: the most log-probs a request may ask for per position.
     """
 
     block_size: int = 16
@@ -74,6 +76,7 @@ class EngineConfig:
     seed: int = 0
     attention_impl: str = "auto"
     attention_interpret: bool = False
+    max_logprobs: int = 20
 
     def __post_init__(self):
         def positive(name):
@@ -302,10 +305,18 @@ class LLMEngine:
             )
         if (params.stop or params.logprobs) and self.tokenizer is None and params.stop:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.config.max_logprobs:
+                raise ValueError(
+                    f"{name}={v} must be <= max_logprobs={self.config.max_logprobs}"
+                )
         for t in params.stop_token_ids or []:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} must be in [0, {self.vocab_size})")
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        # max_tokens=None: until max_model_len (vLLM's meaning).
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        longest = min(len(ids) + max_tokens, self.max_model_len)
         need = blocks_for(longest, self.config.block_size)
         if need > self.num_blocks - 1:
             raise ValueError(
@@ -321,7 +332,7 @@ class LLMEngine:
                 seq_id=next(self._seq_ids),
                 request_id=request_id,
                 prompt_token_ids=list(ids),
-                max_tokens=params.max_tokens,
+                max_tokens=max_tokens,
             )
             for _ in range(params.n)
         ]
@@ -384,8 +395,11 @@ class LLMEngine:
         compiled = self._compiled.get(ckey)
         if compiled is None:
             t0 = time.perf_counter()
-            compiled = fn.lower(*args, **static).compile()
+            lowered = fn.lower(*args, **static)
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
             dt = time.perf_counter() - t0
+            logger.debug("%s: traced in %.1fs, compiled in %.1fs", kind, t1 - t0, dt - (t1 - t0))
             self._compile_seconds += dt
             self._compiled[ckey] = compiled
             logger.info("compiled %s %s in %.1fs", kind, key, dt)
@@ -696,7 +710,7 @@ class LLMEngine:
                 reason = ("stop", t)
             elif n_out >= p.min_tokens and t in eos:
                 reason = ("stop", None)
-            elif n_out >= p.max_tokens or s.num_tokens >= self.max_model_len:
+            elif n_out >= s.max_tokens or s.num_tokens >= self.max_model_len:
                 reason = ("length", None)
             if p.stop and self.tokenizer is not None:
                 hit = self._check_stop_strings(s)

@@ -1,0 +1,333 @@
+"""The engine end to end on a tiny random HF Llama, against HF transformers' greedy decoding.
+
+The oracle is HF transformers (torch, CPU): these tests fail, not skip, when it is missing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jax_paged import LLM, SamplingParams
+from jax_paged import block_manager as bm
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama (GQA 4/2, head dim 16) with noisy norms, saved as an HF folder."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    return path, model
+
+
+def _prompts(n, seed=0, lo=1, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _hf_greedy(model, prompt, max_tokens):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            attention_mask=torch.ones_like(ids),
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_llama):
+    """20 prompts of mixed lengths and max_tokens, with HF's greedy continuations."""
+    _, model = tiny_llama
+    prompts = _prompts(20)
+    rng = np.random.default_rng(1)
+    max_tokens = [int(x) for x in rng.integers(1, 24, size=20)]
+    ref = [_hf_greedy(model, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+    return prompts, max_tokens, ref
+
+
+def _generate(llm, prompts, max_tokens):
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_pool_empty(llm):
+    """Every block is back in the pool and the device state is consistent."""
+    engine = llm.engine
+    state = engine.state.blocks
+    bm.check_invariants(state)
+    assert int(bm.num_free_blocks(state)) == engine.num_blocks - 1
+    assert not bool(np.asarray(state.live).any())
+    assert engine.scheduler.num_free_blocks == engine.num_blocks - 1
+
+
+def test_greedy_matches_hf_under_preemption(tiny_llama, workload):
+    path, _ = tiny_llama
+    prompts, max_tokens, ref = workload
+    # 24 blocks of 4 tokens: far less than 8 sequences of up to 62 tokens need.
+    llm = LLM(str(path), num_kv_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    got = _generate(llm, prompts, max_tokens)
+    assert got == ref
+    assert llm.get_metrics()["num_preemptions"] > 0
+    _assert_pool_empty(llm)
+
+
+def test_greedy_matches_hf_alone_and_tiny_chunks(tiny_llama, workload):
+    path, _ = tiny_llama
+    prompts, max_tokens, ref = workload
+    # One request at a time, prefill in chunks of 3 tokens, one decode step per host call.
+    llm = LLM(
+        str(path),
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_seqs=1,
+        max_num_batched_tokens=3,
+        max_decode_steps=1,
+    )
+    got = _generate(llm, prompts[:8], max_tokens[:8])
+    assert got == ref[:8]
+    assert llm.get_metrics()["num_preemptions"] == 0
+    _assert_pool_empty(llm)
+
+
+def test_chunked_prefill_with_decodes_mixed(tiny_llama, workload):
+    path, _ = tiny_llama
+    prompts, max_tokens, ref = workload
+    llm = LLM(str(path), num_kv_blocks=200, block_size=8, max_num_seqs=4, max_num_batched_tokens=5)
+    got = _generate(llm, prompts, max_tokens)
+    assert got == ref
+    _assert_pool_empty(llm)
+
+
+def test_abort_and_streaming_steps(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4, max_num_seqs=4, max_decode_steps=4)
+    engine = llm.engine
+    prompts = _prompts(4, seed=3)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=20))
+    seen = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        for o in outs:
+            seen.setdefault(o.request_id, []).append(len(o.outputs[0].token_ids))
+        if steps == 2:
+            assert engine.abort("r1") and not engine.abort("r1")
+    assert "r1" not in seen or len(seen["r1"]) <= 2
+    for rid in ("r0", "r2", "r3"):
+        assert seen[rid] == sorted(seen[rid]) and seen[rid][-1] == 20 or seen[rid][-1] < 20
+    _assert_pool_empty(llm)
+
+
+def test_seeded_sampling_reproducible_across_batches(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=8)
+    prompts = _prompts(6, seed=5)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12)
+    alone = llm.generate({"prompt_token_ids": prompts[0]}, sp)[0].outputs[0].token_ids
+    other = [SamplingParams(temperature=0.7, max_tokens=5 + i) for i in range(5)]
+    mixed = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[1:4]]
+        + [{"prompt_token_ids": prompts[0]}]
+        + [{"prompt_token_ids": p} for p in prompts[4:]],
+        other[:3] + [sp] + other[3:],
+    )
+    assert mixed[3].outputs[0].token_ids == alone
+    again = llm.generate({"prompt_token_ids": prompts[0]}, sp)[0].outputs[0].token_ids
+    assert again == alone
+    different = (
+        llm.generate(
+            {"prompt_token_ids": prompts[0]},
+            SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=99, max_tokens=12),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    assert different != alone
+    _assert_pool_empty(llm)
+
+
+def test_n_samples_differ_and_are_reproducible(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=8)
+    p = {"prompt_token_ids": _prompts(1, seed=9)[0]}
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10)
+    a = [c.token_ids for c in llm.generate(p, sp)[0].outputs]
+    b = [c.token_ids for c in llm.generate(p, sp)[0].outputs]
+    assert a == b and len({tuple(x) for x in a}) == 3
+    _assert_pool_empty(llm)
+
+
+def test_stop_tokens_logprobs_and_finish_reasons(tiny_llama, workload):
+    path, model = tiny_llama
+    prompts, _, _ = workload
+    llm = LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=4)
+    ref = _hf_greedy(model, prompts[0], 12)
+    stop_tok = ref[4]
+    first = ref.index(stop_tok)
+    out = llm.generate(
+        {"prompt_token_ids": prompts[0]},
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok], logprobs=3),
+    )[0].outputs[0]
+    assert out.token_ids == ref[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert len(out.logprobs) == len(out.token_ids)
+    for t, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert t in lp and lp[t].rank == 1  # greedy: the chosen token is the most likely
+        assert len(lp) == 3
+    assert out.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)), rel=1e-5
+    )
+    # ignore_eos with min_tokens: runs to max_tokens.
+    out = llm.generate(
+        {"prompt_token_ids": prompts[1]},
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+    )[0].outputs[0]
+    assert len(out.token_ids) == 9 and out.finish_reason == "length"
+    _assert_pool_empty(llm)
+
+
+def test_prompt_logprobs_match_hf(tiny_llama):
+    path, model = tiny_llama
+    llm = LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    prompt = _prompts(1, seed=11, lo=20, hi=21)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=2)
+    )[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0]
+    ref = torch.log_softmax(logits, -1).numpy()
+    plp = out.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    for i in range(1, len(prompt)):
+        assert plp[i][prompt[i]].logprob == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
+        assert len(plp[i]) in (2, 3)
+
+
+def test_bad_requests_get_errors_and_others_complete(tiny_llama, workload):
+    path, _ = tiny_llama
+    prompts, max_tokens, ref = workload
+    # 11 usable blocks of 4 tokens: 44 tokens, less than max_model_len.
+    llm = LLM(str(path), num_kv_blocks=12, block_size=4, max_num_seqs=4, max_model_len=64)
+    g = min(range(len(prompts)), key=lambda i: len(prompts[i]) + max_tokens[i])
+    good = {"prompt_token_ids": prompts[g]}
+    bad_prompts = [
+        ({"prompt_token_ids": []}, None, "empty"),
+        ({"prompt_token_ids": list(range(3, 70))}, None, "max_model_len"),
+        ({"prompt_token_ids": [5, VOCAB]}, None, "out of range"),
+        ({"prompt_token_ids": [5, -1]}, None, "out of range"),
+        ({"prompt_token_ids": [5, "a"]}, None, "list of integers"),
+        ({"prompt_token_ids": prompts[0], "bogus": 1}, None, "unknown keys"),
+        ("some text", None, "no tokenizer"),
+        (12345, None, "prompt must be"),
+        (good, {"max_tokens": 5}, "SamplingParams"),
+        ({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=60), "KV blocks"),
+        (good, SamplingParams(stop=["x"]), "tokenizer"),
+        (good, SamplingParams(stop_token_ids=[VOCAB + 5]), "stop_token_ids"),
+    ]
+    inputs = [good] + [b[0] for b in bad_prompts] + [good]
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens[g])]
+    params += [b[1] if b[1] is not None else SamplingParams(max_tokens=4) for b in bad_prompts]
+    params += [SamplingParams(temperature=0, max_tokens=max_tokens[g])]
+    outs = llm.generate(inputs, params)
+    assert outs[0].outputs[0].token_ids == ref[g] == outs[-1].outputs[0].token_ids
+    for o, (_, _, needle) in zip(outs[1:-1], bad_prompts, strict=True):
+        assert o.error is not None and needle in o.error, (needle, o.error)
+        assert o.finished and o.outputs == []
+    _assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(n=0), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_bad_engine_config(tiny_llama):
+    path, _ = tiny_llama
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(path), block_size=0)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM(str(path), num_kv_blocks=1)
+    with pytest.raises(ValueError, match="unknown LLM arguments"):
+        LLM(str(path), max_num_sequences=4)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(path), dtype="float8")
+    with pytest.raises(MemoryError, match="GiB"):
+        LLM(str(path), kv_cache_memory_bytes=1 << 50)
+
+
+def test_research_scan_decode_matches_hf(tiny_llama, workload):
+    """The pure API: prefill, then 16 decode steps in a user's jit(lax.scan)."""
+    import jax
+    import jax.numpy as jnp
+
+    import models
+    from jax_paged.research import PagedDecoder
+
+    path, _ = tiny_llama
+    prompts, _, _ = workload
+    loaded = models.load(str(path))
+    _, hf = tiny_llama
+    batch = prompts[:4]
+    ref = [_hf_greedy(hf, p, 17) for p in batch]
+    dec = PagedDecoder(loaded.model, max_seqs=4, max_len=64, block_size=4)
+    state = dec.init(SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=100))
+    lens = np.array([len(p) for p in batch], np.int32)
+    padded = np.zeros((4, lens.max()), np.int32)
+    for i, p in enumerate(batch):
+        padded[i, : len(p)] = p
+    state, first = jax.jit(dec.prefill)(dec.params, state, jnp.asarray(padded), lens)
+
+    @jax.jit
+    def run(params, state):
+        return jax.lax.scan(lambda s, _: dec.decode_step(params, s), state, None, length=16)
+
+    state, toks = run(dec.params, state)
+    got = np.concatenate([np.asarray(first)[None], np.asarray(toks)], axis=0).T.tolist()
+    # HF stops at EOS (id 2); compare up to and including it.
+    for g, r in zip(got, ref, strict=True):
+        assert g[: len(r)] == r
+    state = dec.release(state)
+    assert int(bm.num_free_blocks(state.device.blocks)) == dec.num_blocks - 1
