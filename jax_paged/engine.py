@@ -308,9 +308,7 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:
-                raise ValueError(
-                    f"{name}={v} must be <= max_logprobs={self.config.max_logprobs}"
-                )
+                raise ValueError(f"{name}={v} must be <= max_logprobs={self.config.max_logprobs}")
         for t in params.stop_token_ids or []:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} must be in [0, {self.vocab_size})")

@@ -146,7 +146,9 @@ class PagedDecoder:
         valid = j < prompt_lens[:, None]  # [B, Lmax]
         dest = jnp.where(valid, cu[:-1, None] + j, t)  # flat index of each valid token
         tokens = jnp.zeros(t, jnp.int32).at[dest].set(prompts, mode="drop")
-        positions = jnp.zeros(t, jnp.int32).at[dest].set(jnp.broadcast_to(j, (b, lmax)), mode="drop")
+        positions = (
+            jnp.zeros(t, jnp.int32).at[dest].set(jnp.broadcast_to(j, (b, lmax)), mode="drop")
+        )
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, lmax))
         token_row = jnp.full(t, -1, jnp.int32).at[dest].set(rows, mode="drop")
 
@@ -204,4 +206,6 @@ class PagedDecoder:
     def release(self, state: DecodeState) -> DecodeState:
         """Frees every row's blocks (pure)."""
         blocks = bm.free(state.device.blocks, jnp.ones(self.max_seqs, bool))
-        return state.replace(device=state.device.replace(blocks=blocks), active=state.active & False)
+        return state.replace(
+            device=state.device.replace(blocks=blocks), active=state.active & False
+        )
