@@ -209,6 +209,7 @@ class LLMEngine:
             num_device_calls=0,
             peak_kv_usage=0.0,
             device_seconds=0.0,
+            compiled_seconds=0.0,
         )
         self._last_log = 0.0
 
@@ -401,7 +402,10 @@ class LLMEngine:
             self._compile_seconds += dt
             self._compiled[ckey] = compiled
             logger.info("compiled %s %s in %.1fs", kind, key, dt)
-        return compiled(*args)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(compiled(*args))
+        self._stats["compiled_seconds"] += time.perf_counter() - t0
+        return out
 
     def _init_rows(self, seqs: list[Sequence], counts_only: bool = False) -> None:
         """Sets the sampling history of newly admitted sequences' slots."""
