@@ -4,7 +4,7 @@ prefix cache as a pytree of JAX arrays changed only by pure, vectorised function
 Every op is `op(state, ...) -> (state, results...)`, jittable, usable inside `lax.scan` and
 `while_loop`, and vectorised over the batch with cumsums and scatters: the per-step cost grows
 with the number of sequence slots `S` and blocks per sequence `P`, not with the pool size `N`
-(see "Costs" below for the one exception, eviction from the prefix cache).
+(see "Costs" below; the one O(N) step, compacting the eviction queue, is amortised).
 
 How tokens map to blocks and slots (block_size bs = 4, sequence in slot 2)::
 
@@ -348,7 +348,7 @@ def blocks_needed(state: BlockManagerState, num_new: jax.Array) -> jax.Array:
 
 
 def _plan(state, num_new):
-    s, p = state.block_tables.shape
+    p = state.max_blocks_per_seq
     bs = state.block_size
     num_new = jnp.maximum(jnp.asarray(num_new, jnp.int32), 0)
     want = num_new > 0
@@ -361,7 +361,6 @@ def _plan(state, num_new):
     last = last[:, 0]
     cow = valid & (lens % bs != 0) & (state.ref_counts[last] > 1)
     need = jnp.where(valid, new_nb - old_nb + cow, 0)
-    del s
     return want, valid, old_nb, new_nb, need, cow, last, new_len
 
 
