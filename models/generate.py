@@ -80,6 +80,8 @@ def greedy_generate(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"{max_new_tokens=} must be >= 1")
     c = model.config
     b = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)

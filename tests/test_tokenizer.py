@@ -1,7 +1,10 @@
 """Our tokenizer (built from the SmolLM2 GGUF, and from an HF folder) against HF's."""
 
+import shutil
+
 import pytest
 
+import models
 from models import Tokenizer
 
 STRINGS = [
@@ -100,10 +103,14 @@ def test_chat_template_matches_hf(smollm2, smollm2_hf_tokenizer, add_generation_
     assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
-def test_hf_folder_tokenizer(smollm2_hf_tokenizer, tmp_path):
-    """The same tokenizer as HF saves it to a folder (tokenizer.json + tokenizer_config.json)."""
+def test_hf_folder_tokenizer(smollm2_hf_tokenizer, tiny_hf, tmp_path):
+    """The same tokenizer as HF saves it to a folder (tokenizer.json + tokenizer_config.json),
+    found by `models.load` next to a model's weights."""
+    _, model_folder = tiny_hf("llama_mha_tied_bias")
+    for f in model_folder.iterdir():
+        shutil.copy(f, tmp_path / f.name)
     smollm2_hf_tokenizer.save_pretrained(tmp_path)
-    ours = Tokenizer.from_folder(tmp_path)
+    ours = models.load(tmp_path).tokenizer
     assert ours.eos_token == smollm2_hf_tokenizer.eos_token
     for s in STRINGS:
         assert ours.encode(s) == smollm2_hf_tokenizer(s)["input_ids"], repr(s)
