@@ -63,6 +63,9 @@ class EngineConfig:
       attention_impl: "auto", "reference", "gpu" or "tpu" (`pallas_kernels.paged_attention`).
       attention_interpret: run the Pallas kernels in the interpreter (tests on the CPU).
       max_logprobs: the most log-probs a request may ask for per position.
+      enable_prefix_caching: reuse the KV blocks of earlier prompts with the same prefix
+        (full blocks keyed by their tokens and their parent's key, evicted least recently
+        used first when the pool needs them).
     """
 
     block_size: int = 16
@@ -77,6 +80,7 @@ class EngineConfig:
     attention_impl: str = "auto"
     attention_interpret: bool = False
     max_logprobs: int = 20
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         def positive(name):
@@ -135,6 +139,7 @@ class _Request:
     logprobs: list[list | None] = dataclasses.field(default_factory=list)
     cum_logprob: list[float] = dataclasses.field(default_factory=list)
     emitted_len: list[int] = dataclasses.field(default_factory=list)
+    pending_forks: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -195,6 +200,10 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._pending_free: list[int] = []
+        self._cache_reqs: dict[int, list[int]] = {}  # slot -> tokens whose full blocks to cache
+        self._fork_pairs: list[tuple[int, int]] = []
+        self._fork_waiting: dict[str, _Request] = {}
+        self.caching = config.enable_prefix_caching
         self._compiled: dict[tuple, Any] = {}
         self._compile_seconds = 0.0
         self._start = time.perf_counter()
@@ -210,6 +219,8 @@ class LLMEngine:
             peak_kv_usage=0.0,
             device_seconds=0.0,
             compiled_seconds=0.0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
         )
         self._last_log = 0.0
 
@@ -352,7 +363,16 @@ class LLMEngine:
             s.params = params.child_params(i)
             s.request = req
             s.index = i
-            self.scheduler.add(s)
+        # n > 1: the first sequence prefills the prompt but its last token; the others are then
+        # forked from it, sharing its blocks (copy-on-write of the partial last block).
+        if len(seqs) > 1 and len(ids) > 1:
+            seqs[0].prefill_cap = len(ids) - 1
+            req.pending_forks = seqs[1:]
+            self._fork_waiting[request_id] = req
+            self.scheduler.add(seqs[0])
+        else:
+            for s in seqs:
+                self.scheduler.add(s)
         self.requests[request_id] = req
         self._stats["num_requests"] += 1
         self._stats["prompt_tokens"] += len(ids)
@@ -362,6 +382,11 @@ class LLMEngine:
         req = self.requests.pop(str(request_id), None)
         if req is None:
             return False
+        self._fork_waiting.pop(req.request_id, None)
+        for s in req.pending_forks:
+            s.status = SequenceStatus.FINISHED
+            s.finish_reason = "abort"
+        req.pending_forks = []
         for s in req.seqs:
             if s.status is not SequenceStatus.FINISHED:
                 self._finish_seq(s, "abort", None)
@@ -374,6 +399,8 @@ class LLMEngine:
     def _finish_seq(self, seq: Sequence, reason: str, stop_reason) -> None:
         if seq.slot is not None:
             self._pending_free.append(seq.slot)
+            if self.caching and seq.num_computed >= self.config.block_size:
+                self._cache_reqs[seq.slot] = seq.all_token_ids[: seq.num_computed]
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -455,7 +482,9 @@ class LLMEngine:
         """Runs one scheduled step; returns the outputs of the requests that progressed
         (``finished`` set on those that are done)."""
         self._stats["num_steps"] += 1
-        sched = self.scheduler.schedule()
+        self._fork_ready()
+        self._maintain()
+        sched = self.scheduler.schedule(match=self._match if self.caching else None)
         self._pending_free += self.scheduler.drain_preempted_slots()
         for s in sched.preempted:
             s.request.metrics.num_preemptions += 1
@@ -465,18 +494,17 @@ class LLMEngine:
                 self.scheduler.num_preemptions,
             )
         if not sched.chunks:
-            if self._pending_free:
-                self.state = self._call(
-                    "free", runner.free_slots, (), (self.state, self._free_mask()), {}
-                )
+            self._maintain()
             return []
-        admitted = [c.seq for c in sched.chunks if c.start == 0 and c.seq.num_computed == 0]
+        admitted = [s for s in self.scheduler.running if s.needs_row_init]
         now = time.time()
         for c in sched.chunks:
             if c.seq.request.metrics.first_scheduled_time is None:
                 c.seq.request.metrics.first_scheduled_time = now
         if admitted:
             self._init_rows(admitted)
+            for s in admitted:
+                s.needs_row_init = False
 
         t0 = time.perf_counter()
         progressed: dict[str, _Request] = {}
@@ -500,11 +528,74 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
                 self._stats["num_finished"] += 1
-        if not self.scheduler.has_unfinished() and self._pending_free:
-            self.state = self._call(
-                "free", runner.free_slots, (), (self.state, self._free_mask()), {}
-            )
+        if not self.scheduler.has_unfinished():
+            self._maintain()
         return outs
+
+    # -- sharing -----------------------------------------------------------------------------
+    def _fork_ready(self) -> None:
+        """Forks the siblings of n > 1 leaders that have prefilled all but the last prompt
+        token. Siblings that find no free slot prefill on their own later (their prompt's full
+        blocks are then found in the prefix cache)."""
+        for rid, req in list(self._fork_waiting.items()):
+            leader = req.seqs[0]
+            if leader.status is not SequenceStatus.RUNNING:
+                continue
+            if leader.num_computed < leader.prefill_cap:
+                continue
+            for child in req.pending_forks:
+                if self.scheduler.fork(leader, child):
+                    self._fork_pairs.append((leader.slot, child.slot))
+                else:
+                    self.scheduler.add(child)
+            req.pending_forks = []
+            leader.prefill_cap = None
+            del self._fork_waiting[rid]
+
+    def _maintain(self) -> None:
+        """One device call for the work queued between steps: cache full blocks, free slots,
+        fork; then the host's free-block count is the device's."""
+        if not (self._cache_reqs or self._pending_free or self._fork_pairs):
+            return
+        s = self.max_num_seqs
+        k = self.max_blocks_per_seq * self.config.block_size
+        cache_slots = np.full(s, -1, np.int32)
+        cache_tokens = np.zeros((s, k), np.int32)
+        cache_len = np.zeros(s, np.int32)
+        for i, (slot, toks) in enumerate(self._cache_reqs.items()):
+            cache_slots[i] = slot
+            cache_tokens[i, : len(toks)] = toks
+            cache_len[i] = len(toks)
+        parent = np.full(s, -1, np.int32)
+        child = np.full(s, -1, np.int32)
+        for i, (p, c) in enumerate(self._fork_pairs):
+            parent[i], child[i] = p, c
+        self._cache_reqs, self._fork_pairs = {}, []
+        args = (self.state, cache_slots, cache_tokens, cache_len, self._free_mask(), parent, child)
+        self.state, num_free = self._call("maintain", runner.maintain, (), args, {})
+        self.scheduler.num_free_blocks = int(num_free)
+
+    def _match(self, seq: Sequence) -> tuple[int, int]:
+        """Prefix-cache lookup for a sequence being admitted into ``seq.slot``."""
+        if seq.params.prompt_logprobs is not None:
+            # Cached positions have no logits: compute the whole prompt (vLLM does the same).
+            return 0, self.scheduler.num_free_blocks
+        toks = seq.all_token_ids
+        k = self.max_blocks_per_seq * self.config.block_size
+        tokens = np.zeros((1, k), np.int32)
+        tokens[0, : len(toks)] = toks
+        args = (
+            self.state,
+            np.array([seq.slot], np.int32),
+            tokens,
+            np.array([len(toks)], np.int32),
+        )
+        self.state, cached, num_free = self._call("match", runner.match_prefix, (), args, {})
+        cached = int(cached[0])
+        if seq.num_preemptions == 0:
+            self._stats["prefix_cache_queries"] += len(seq.prompt_token_ids)
+            self._stats["prefix_cache_hits"] += cached
+        return cached, int(num_free)
 
     def _run_mixed(self, sched, progressed) -> None:
         chunks = sched.chunks
@@ -568,13 +659,24 @@ class LLMEngine:
         args = (self.params, self.state, batch, tensors, self.key)
         self.state, out = self._call("mixed", runner.mixed_step, key, args, static)
         out = jax.device_get(out)
+        self.scheduler.num_free_blocks = int(out.num_free)
+        bs = self.config.block_size
         off = 0
         for r, c in enumerate(chunks):
             s = c.seq
+            if not out.ok[r]:
+                # The pool could not hold it after all (blocks shared with others freed fewer
+                # than estimated): nothing ran for it; recompute it later.
+                self.scheduler.preempt(s)
+                self._pending_free += self.scheduler.drain_preempted_slots()
+                off += c.length
+                continue
             if want_plp and s.params.prompt_logprobs is not None:
                 self._record_prompt_logprobs(s, c, out.prompt_lp, off)
             off += c.length
             s.num_computed += c.length
+            if self.caching and s.num_computed // bs > c.start // bs:
+                self._cache_reqs[s.slot] = s.all_token_ids[: s.num_computed]
             if c.samples:
                 self._append(
                     s,
@@ -603,9 +705,8 @@ class LLMEngine:
             row_slot[r] = s.slot
             active[r] = True
             max_len[r] = self.max_model_len
-        free_mask = self._free_mask()
-        if free_mask.any():
-            self.state = self._call("free", runner.free_slots, (), (self.state, free_mask), {})
+        if self._pending_free:
+            self._maintain()
         tensors = self._tensors(seqs + [None] * (b - len(seqs)), b)
         ntop = self._num_top(seqs)
         max_steps = self.config.max_decode_steps
@@ -626,6 +727,7 @@ class LLMEngine:
         )
         self.state, out = self._call("decode", runner.decode_loop, key, args, static)
         out = jax.device_get(out)
+        self.scheduler.num_free_blocks = int(out.num_free)
         n = int(out.num_steps)
         for r, s in enumerate(seqs):
             toks = out.tokens[:n, r]
@@ -796,6 +898,8 @@ class LLMEngine:
             compile_seconds=self._compile_seconds,
             elapsed_seconds=elapsed,
             generation_tokens_per_s=self._stats["generated_tokens"] / max(elapsed, 1e-9),
+            prefix_cache_hit_rate=self._stats["prefix_cache_hits"]
+            / max(1, self._stats["prefix_cache_queries"]),
         )
         return m
 
@@ -807,11 +911,13 @@ class LLMEngine:
         m = self.get_metrics()
         logger.info(
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, generation "
-            "throughput: %.1f tokens/s, preemptions: %d, compiled variants: %d",
+            "throughput: %.1f tokens/s, prefix cache hit rate: %.1f%%, preemptions: %d, "
+            "compiled variants: %d",
             m["num_running"],
             m["num_waiting"],
             100 * m["kv_usage"],
             m["generation_tokens_per_s"],
+            100 * m["prefix_cache_hit_rate"],
             m["num_preemptions"],
             m["compiled_variants"],
         )

@@ -14,9 +14,10 @@ from typing import Any
 import jax.numpy as jnp
 
 import models
+from jax_paged import beam_search as beam_search_lib
 from jax_paged.engine import EngineConfig, LLMEngine
 from jax_paged.outputs import RequestOutput
-from jax_paged.sampling_params import SamplingParams
+from jax_paged.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("jax_paged")
 
@@ -139,6 +140,22 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[r] for r in ids]
+
+    def beam_search(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool | Callable = False,
+        concurrency_limit: int | None = None,
+    ) -> list[beam_search_lib.BeamSearchOutput]:
+        """Beam search for each prompt (str, ``{"prompt": ...}`` or ``{"prompt_token_ids":
+        [...]}``); returns one `BeamSearchOutput` per prompt, in input order, its sequences best
+        first. Scores match HF transformers' ``generate(num_beams=...)``; see
+        `jax_paged.beam_search`."""
+        return beam_search_lib.beam_search(
+            self.engine, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit
+        )
 
 
 def _enable_compilation_cache() -> None:

@@ -170,6 +170,7 @@ class StepOutput(struct.PyTreeNode):
     top_ids: jax.Array  # i32[B, N]
     top_logprobs: jax.Array  # f32[B, N]
     num_free: jax.Array  # i32[] free blocks after the step
+    ok: jax.Array  # bool[B] the row's reservation succeeded (False: nothing ran for it)
     prompt_lp: Any = None  # (f32[T], i32[T], i32[T, K], f32[T, K]) or None
 
 
@@ -224,7 +225,7 @@ def mixed_step(
 
     rows = _gather_rows(state.sampling, safe_slot)
     out = sampling.sample(logits, tensors, rows, key, num_top_logprobs=num_top_logprobs)
-    active = row_valid & batch.samples
+    active = row_valid & batch.samples & res.ok[safe_slot]
     rows = sampling.update_counts(rows, out.tokens, active)
     samp = _scatter_rows(state.sampling, rows, row_slot, active)
     new_state = DeviceState(kv=kv, blocks=blocks, sampling=samp)
@@ -235,6 +236,7 @@ def mixed_step(
         top_ids=out.top_ids,
         top_logprobs=out.top_logprobs,
         num_free=bm.num_free_blocks(blocks),
+        ok=res.ok[safe_slot] | ~row_valid,
         prompt_lp=prompt_lp,
     )
 
@@ -373,3 +375,40 @@ def decode_loop(
 def free_slots(state: DeviceState, mask: jax.Array) -> DeviceState:
     """Frees the sequences in the slots ``mask`` (bool[S])."""
     return state.replace(blocks=bm.free(state.blocks, mask))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def maintain(
+    state: DeviceState,
+    cache_slots: jax.Array,
+    cache_tokens: jax.Array,
+    cache_len: jax.Array,
+    free_mask: jax.Array,
+    fork_parent: jax.Array,
+    fork_child: jax.Array,
+) -> tuple[DeviceState, jax.Array]:
+    """Between steps, in this order: add full blocks to the prefix cache, free slots, fork.
+
+    Args:
+      cache_slots: i32[M] live slots whose full blocks to cache (-1 = padding);
+        cache_tokens: i32[M, K] their tokens from position 0; cache_len: i32[M] how many.
+      free_mask: bool[S] slots to free (finished, aborted).
+      fork_parent, fork_child: i32[F] slot pairs (-1 = padding): the child shares all the
+        parent's blocks.
+
+    Returns:
+      (state, free blocks i32[]).
+    """
+    blocks = bm.cache_full_blocks(state.blocks, cache_slots, cache_tokens, cache_len)
+    blocks = bm.free(blocks, free_mask)
+    blocks, _ = bm.fork(blocks, fork_parent, fork_child)
+    return state.replace(blocks=blocks), bm.num_free_blocks(blocks)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def match_prefix(state: DeviceState, slot: jax.Array, tokens: jax.Array, num_tokens: jax.Array):
+    """Starts a sequence in free slot ``slot`` (i32[1]) from the longest cached prefix of
+    ``tokens`` (i32[1, K], ``num_tokens`` i32[1] valid). Returns (state, cached tokens i32[1],
+    free blocks i32[])."""
+    blocks, cached, _ = bm.match_prefix(state.blocks, slot, tokens, num_tokens)
+    return state.replace(blocks=blocks), cached, bm.num_free_blocks(blocks)

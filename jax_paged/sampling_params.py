@@ -265,10 +265,16 @@ class BeamSearchParams:
       beam_width: beams kept per step (>= 1).
       max_tokens: most tokens to generate (>= 1).
       ignore_eos: keep extending beams after EOS.
-      temperature: >= 0; 0 ranks candidates by the raw log-probabilities.
+      temperature: >= 0; accepted as vLLM does, but candidates are always ranked by the raw
+        log-probabilities, so it does not change the result.
       length_penalty: finite; finished beams are ranked by
-        ``cumulative_logprob / len ** length_penalty``.
+        ``cumulative_logprob / len ** length_penalty``, ``len`` counting the generated tokens
+        (EOS included), as HF transformers does.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
+      early_stopping: when the search ends (HF transformers' meaning): True as soon as
+        beam_width hypotheses have finished; False when no running beam can beat the worst
+        finished one at its current length; "never" the same, but assuming the running beams
+        could grow to max_tokens when length_penalty > 0.
     """
 
     beam_width: int
@@ -277,6 +283,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -303,6 +310,13 @@ class BeamSearchParams:
             "include_stop_str_in_output",
             _check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
         )
+        if not (isinstance(self.early_stopping, str) and self.early_stopping == "never"):
+            try:
+                put("early_stopping", _check_bool("early_stopping", self.early_stopping))
+            except ValueError:
+                raise ValueError(
+                    f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+                ) from None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BeamSearchParams:

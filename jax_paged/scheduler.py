@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 
@@ -72,6 +73,12 @@ class Sequence:
     params: Any = None
     request: Any = None
     index: int = 0
+    # Sharing. prefill_cap: compute no further than this many tokens (an n > 1 leader stops
+    # one token short of its prompt until its siblings are forked from it). cow_pending: the
+    # last block is partial and shared, so the next write first copies it (one more block).
+    prefill_cap: int | None = None
+    cow_pending: bool = False
+    needs_row_init: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -168,11 +175,16 @@ class Scheduler:
         self.free_slots.append(seq.slot)
         seq.slot = None
 
+    def preempt(self, seq: Sequence) -> None:
+        """Preempts a running sequence by recompute (its slot is drained for freeing)."""
+        self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._preempted_slots.append(seq.slot)
         self._release(seq)
         seq.num_computed = 0
+        seq.cow_pending = False
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
@@ -183,7 +195,25 @@ class Scheduler:
         self.waiting.insert(i, seq)
 
     # -- one step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def _limit(self, seq: Sequence) -> int:
+        end = seq.num_tokens if seq.prefill_cap is None else min(seq.prefill_cap, seq.num_tokens)
+        return end - seq.num_computed
+
+    def _need(self, seq: Sequence, length: int) -> int:
+        """Blocks a chunk of ``length`` tokens takes (copy-on-write of a shared tail included)."""
+        bs = self.block_size
+        need = blocks_for(seq.num_computed + length, bs) - seq.num_blocks
+        cow = seq.cow_pending and length > 0 and seq.num_computed % bs != 0
+        return need + int(cow)
+
+    def schedule(self, match: Callable[[Sequence], tuple[int, int]] | None = None):
+        """Picks this step's chunks.
+
+        Args:
+          match: prefix-cache lookup for a sequence being admitted with nothing computed (its
+            ``slot`` is set): returns (tokens found in the cache, free blocks afterwards). The
+            sequence then starts from the cached tokens.
+        """
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
@@ -192,8 +222,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            length = min(seq.num_tokens - seq.num_computed, budget)
-            need = blocks_for(seq.num_computed + length, self.block_size) - seq.num_blocks
+            length = min(self._limit(seq), budget)
+            if length == 0:
+                i += 1
+                continue
+            need = self._need(seq, length)
             while need > self.num_free_blocks and self.running[-1] is not seq:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -210,29 +243,55 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
-            length = min(seq.num_tokens - seq.num_computed, budget)
-            need = blocks_for(seq.num_computed + length, self.block_size) - seq.num_blocks
-            if need > self.num_free_blocks:
+            length = min(self._limit(seq), budget)
+            # Admit only if the chunk fits even with no prefix-cache hit: a hit never needs more.
+            if self._need(seq, length) > self.num_free_blocks:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.slot = self.free_slots.pop()
+            seq.needs_row_init = True
             self.running.append(seq)
-            self._grant(seq, length, need, chunks)
+            if match is not None and seq.num_computed == 0:
+                cached, self.num_free_blocks = match(seq)
+                seq.num_cached_tokens = cached
+                seq.num_computed = cached
+                seq.num_blocks = cached // self.block_size
+                length = min(self._limit(seq), budget)
+                # Reviving cached blocks may have taken free ones: shrink the chunk to fit.
+                room = (seq.num_blocks + self.num_free_blocks) * self.block_size
+                length = min(length, room - seq.num_computed)
+            self._grant(seq, length, self._need(seq, length), chunks)
             budget -= length
         return SchedulerOutput(chunks=chunks, preempted=preempted)
 
     def _grant(self, seq: Sequence, length: int, need: int, chunks: list) -> None:
         chunks.append(ScheduledChunk(seq=seq, start=seq.num_computed, length=length))
-        seq.num_blocks += need
+        seq.num_blocks += need - int(seq.cow_pending and seq.num_computed % self.block_size != 0)
+        seq.cow_pending = False
         self.num_free_blocks -= need
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Starts ``child`` as a running copy of ``parent`` sharing all its blocks, if a slot is
+        free. Both then copy the shared partial last block on their next write."""
+        if len(self.running) >= self.max_num_seqs or not self.free_slots:
+            return False
+        child.slot = self.free_slots.pop()
+        child.status = SequenceStatus.RUNNING
+        child.num_computed = parent.num_computed
+        child.num_blocks = parent.num_blocks
+        child.needs_row_init = True
+        shared_tail = parent.num_computed % self.block_size != 0
+        child.cow_pending = parent.cow_pending = shared_tail
+        self.running.append(child)
+        return True
 
     def decode_horizon(self, seqs: list[Sequence], max_steps: int) -> int:
         """Largest k <= max_steps such that every sequence can decode k more tokens with the
         free blocks (used to size a multi-step decode call)."""
         k = max_steps
         while k > 1:
-            need = sum(blocks_for(s.num_computed + k, self.block_size) - s.num_blocks for s in seqs)
+            need = sum(self._need(s, k) for s in seqs)
             if need <= self.num_free_blocks:
                 return k
             k //= 2
