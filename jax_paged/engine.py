@@ -221,6 +221,8 @@ class LLMEngine:
             compiled_seconds=0.0,
             prefix_cache_queries=0,
             prefix_cache_hits=0,
+            logical_block_steps=0,
+            physical_block_steps=0,
         )
         self._last_log = 0.0
 
@@ -521,6 +523,14 @@ class LLMEngine:
         self._stats["num_device_calls"] += 1
         used = 1.0 - self.scheduler.num_free_blocks / max(1, self.scheduler.num_blocks)
         self._stats["peak_kv_usage"] = max(self._stats["peak_kv_usage"], used)
+        # Sharing: block-table entries (logical) vs physical blocks in use, summed over steps.
+        bs = self.config.block_size
+        self._stats["logical_block_steps"] += sum(
+            blocks_for(q.num_computed, bs) for q in self.scheduler.running
+        )
+        self._stats["physical_block_steps"] += (
+            self.scheduler.num_blocks - self.scheduler.num_free_blocks
+        )
         self._maybe_log()
         outs = []
         for req in progressed.values():
@@ -900,6 +910,10 @@ class LLMEngine:
             generation_tokens_per_s=self._stats["generated_tokens"] / max(elapsed, 1e-9),
             prefix_cache_hit_rate=self._stats["prefix_cache_hits"]
             / max(1, self._stats["prefix_cache_queries"]),
+            # Share of KV blocks that sharing saved, averaged over steps: 1 - physical / logical
+            # (evictable cached blocks do not count as used).
+            kv_sharing_saving=1.0
+            - self._stats["physical_block_steps"] / max(1, self._stats["logical_block_steps"]),
         )
         return m
 

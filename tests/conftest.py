@@ -316,3 +316,33 @@ def write_tiny_gguf(path, hf_model=None, *, arch: str = "llama", extra_tensor=No
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine's tiny model: an HF Llama folder whose EOS (id 2) really occurs
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama (GQA 4/2, head dim 16) with noisy norms, saved as an HF folder."""
+    torch, transformers = oracle()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    return path, model

@@ -8,37 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from jax_paged import LLM, SamplingParams
 from jax_paged import block_manager as bm
 
 VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A 2-layer Llama (GQA 4/2, head dim 16) with noisy norms, saved as an HF folder."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path)
-    return path, model
 
 
 def _prompts(n, seed=0, lo=1, hi=40):
