@@ -5,6 +5,7 @@ llm = LLM()                         # embedded SmolLM2-135M-Instruct
 out = llm.generate("Hello", SamplingParams(max_tokens=16))
 """
 
+from jax_paged.beam_search import BeamSearchOutput, BeamSearchSequence
 from jax_paged.engine import EngineConfig, LLMEngine
 from jax_paged.llm import LLM
 from jax_paged.outputs import CompletionOutput, Logprob, RequestOutput
@@ -12,7 +13,9 @@ from jax_paged.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
     "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",

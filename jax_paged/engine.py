@@ -659,13 +659,15 @@ class LLMEngine:
         plp_k = -1
         if want_plp:
             plp_k = max(c.seq.params.prompt_logprobs or 0 for c in chunks)
+        greedy = all(c.seq.params.is_greedy for c in chunks)
         static = dict(
             graphdef=self.graphdef,
             opts=self.opts,
             num_top_logprobs=ntop,
             prompt_logprobs_k=plp_k,
+            greedy_only=greedy,
         )
-        key = ("mixed", t, b, ntop, plp_k, self._track_key(), tensors.stop_token_ids.shape[1])
+        key = (t, b, ntop, plp_k, greedy, self._track_key(), tensors.stop_token_ids.shape[1])
         args = (self.params, self.state, batch, tensors, self.key)
         self.state, out = self._call("mixed", runner.mixed_step, key, args, static)
         out = jax.device_get(out)
@@ -720,10 +722,15 @@ class LLMEngine:
         tensors = self._tensors(seqs + [None] * (b - len(seqs)), b)
         ntop = self._num_top(seqs)
         max_steps = self.config.max_decode_steps
+        greedy = all(s.params.is_greedy for s in seqs)
         static = dict(
-            graphdef=self.graphdef, opts=self.opts, max_steps=max_steps, num_top_logprobs=ntop
+            graphdef=self.graphdef,
+            opts=self.opts,
+            max_steps=max_steps,
+            num_top_logprobs=ntop,
+            greedy_only=greedy,
         )
-        key = ("decode", b, ntop, self._track_key(), tensors.stop_token_ids.shape[1])
+        key = (b, ntop, greedy, self._track_key(), tensors.stop_token_ids.shape[1])
         args = (
             self.params,
             self.state,

@@ -87,6 +87,7 @@ class PagedDecoder:
         self.max_blocks_per_seq = blocks_for(max_len, block_size)
         self.num_blocks = num_blocks or max_seqs * self.max_blocks_per_seq + 1
         self.eos_token_ids = list(eos_token_ids)
+        self.greedy_only = False  # set by `init`: every row greedy -> a smaller program
         self.opts = runner.AttentionOptions(
             scale=c.scale, sliding_window=c.sliding_window, impl=attention_impl
         )
@@ -101,6 +102,7 @@ class PagedDecoder:
         if len(sampling_params) != b:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {b} rows")
         track = any(p.uses_penalties for p in sampling_params)
+        self.greedy_only = all(p.is_greedy for p in sampling_params)
         c = self.config
         device = runner.DeviceState(
             kv=kvc.KVCache.create(
@@ -162,7 +164,13 @@ class PagedDecoder:
             tokens[None], positions[None], attn, state.device.kv, logits_indices=last_idx
         )
         used = prompt_lens > 0
-        out = sampling.sample(logits[0], state.tensors, state.device.sampling, state.key)
+        out = sampling.sample(
+            logits[0],
+            state.tensors,
+            state.device.sampling,
+            state.key,
+            greedy_only=self.greedy_only,
+        )
         samp = sampling.update_counts(state.device.sampling, out.tokens, used)
         if samp.tracks_tokens:
             prompt_mask = jnp.zeros_like(samp.prompt_mask)
@@ -190,6 +198,7 @@ class PagedDecoder:
             state.tensors,
             state.key,
             opts=self.opts,
+            greedy_only=self.greedy_only,
         )
         seq_len = device.blocks.seq_lens
         stop = sampling.is_stop_token(state.tensors, out.tokens)

@@ -176,7 +176,7 @@ class StepOutput(struct.PyTreeNode):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "opts", "num_top_logprobs", "prompt_logprobs_k"),
+    static_argnames=("graphdef", "opts", "num_top_logprobs", "prompt_logprobs_k", "greedy_only"),
     donate_argnames=("state",),
 )
 def mixed_step(
@@ -190,6 +190,7 @@ def mixed_step(
     opts: AttentionOptions,
     num_top_logprobs: int = 0,
     prompt_logprobs_k: int = -1,
+    greedy_only: bool = False,
 ) -> tuple[DeviceState, StepOutput]:
     """One forward over a ragged batch; ``tensors`` has one row per batch row.
 
@@ -224,7 +225,9 @@ def mixed_step(
         logits = logits[batch.last_idx]
 
     rows = _gather_rows(state.sampling, safe_slot)
-    out = sampling.sample(logits, tensors, rows, key, num_top_logprobs=num_top_logprobs)
+    out = sampling.sample(
+        logits, tensors, rows, key, num_top_logprobs=num_top_logprobs, greedy_only=greedy_only
+    )
     active = row_valid & batch.samples & res.ok[safe_slot]
     rows = sampling.update_counts(rows, out.tokens, active)
     samp = _scatter_rows(state.sampling, rows, row_slot, active)
@@ -264,6 +267,7 @@ def decode_step(
     *,
     opts: AttentionOptions,
     num_top_logprobs: int = 0,
+    greedy_only: bool = False,
 ):
     """One decode token for every active row: reserve, forward, sample. Pure and jittable.
 
@@ -293,7 +297,9 @@ def decode_step(
     attn = _decode_attn(opts, slots, block_tables, kv_lens)
     logits, kv = model.forward(last_tokens[None], jnp.maximum(positions, 0)[None], attn, kv)
     rows = _gather_rows(state.sampling, safe_slot)
-    out = sampling.sample(logits[0], tensors, rows, key, num_top_logprobs=num_top_logprobs)
+    out = sampling.sample(
+        logits[0], tensors, rows, key, num_top_logprobs=num_top_logprobs, greedy_only=greedy_only
+    )
     rows = sampling.update_counts(rows, out.tokens, ok)
     samp = _scatter_rows(state.sampling, rows, row_slot, ok)
     return DeviceState(kv=kv, blocks=blocks, sampling=samp), out, ok
@@ -301,7 +307,7 @@ def decode_step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "opts", "max_steps", "num_top_logprobs"),
+    static_argnames=("graphdef", "opts", "max_steps", "num_top_logprobs", "greedy_only"),
     donate_argnames=("state",),
 )
 def decode_loop(
@@ -319,6 +325,7 @@ def decode_loop(
     opts: AttentionOptions,
     max_steps: int,
     num_top_logprobs: int = 0,
+    greedy_only: bool = False,
 ) -> tuple[DeviceState, DecodeOutput]:
     """Up to ``num_steps`` (<= ``max_steps``) decode steps on the device, no host round trip.
 
@@ -346,7 +353,16 @@ def decode_loop(
     def body(carry):
         state, last, active, out = carry
         state, smp, ok = decode_step(
-            model, state, last, row_slot, active, tensors, key, opts=opts, num_top_logprobs=n
+            model,
+            state,
+            last,
+            row_slot,
+            active,
+            tensors,
+            key,
+            opts=opts,
+            num_top_logprobs=n,
+            greedy_only=greedy_only,
         )
         i = out.num_steps
         seq_len = state.blocks.seq_lens[jnp.clip(row_slot, 0, state.blocks.max_seqs - 1)]

@@ -607,8 +607,10 @@ def sample(
     *,
     num_top_logprobs: int = 0,
     max_candidates: int = 256,
+    greedy_only: bool = False,
 ) -> SamplerOutput:
-    """Samples one token per row. Jittable; ``num_top_logprobs`` and ``max_candidates`` static.
+    """Samples one token per row. Jittable; ``num_top_logprobs``, ``max_candidates`` and
+    ``greedy_only`` static.
 
     Args:
       logits: f32[B, V] (any float dtype) model output at each row's last position.
@@ -619,12 +621,19 @@ def sample(
       num_top_logprobs: N, top entries returned per row (the largest ``logprobs`` in the batch).
       max_candidates: logits gathered by ``lax.top_k`` before falling back to the bisection for
         top-k / top-p (see the module docstring).
+      greedy_only: the caller guarantees every row is greedy (temperature 0): the program
+        leaves out temperature, filters and random draws, which compiles faster and gives the
+        same tokens.
 
     Returns:
       A `SamplerOutput`. Greedy rows give the argmax of the penalised logits (lowest id on
       ties); the others a draw from the processed distribution with the row's own key.
     """
     raw = logits.astype(jnp.float32)
+    if greedy_only:
+        tokens = jnp.argmax(apply_penalties(raw, tensors, state), axis=1).astype(jnp.int32)
+        lp, ranks, top_ids, top_lp = _gather_logprobs(raw, tokens, num_top_logprobs)
+        return SamplerOutput(tokens, lp, ranks, top_ids, top_lp)
     x = process_logits(raw, tensors, state, max_candidates=max_candidates)
     greedy = tensors.temperature == 0.0
 

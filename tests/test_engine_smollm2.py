@@ -89,3 +89,20 @@ def test_prefix_caching_on_off_identical(llm, smollm2):
         state = x.engine.state.blocks
         bm.check_invariants(state)
         assert int(bm.num_free_blocks(state)) == x.engine.num_blocks - 1
+
+
+def test_stop_strings_on_detokenised_text(llm):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    full = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
+    assert "Paris" in full.text
+    cut = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"]))[0]
+    c = cut.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == "Paris"
+    assert c.text == full.text[: full.text.index("Paris")]
+    kept = llm.chat(
+        chat,
+        SamplingParams(
+            temperature=0.0, max_tokens=16, stop=["Paris"], include_stop_str_in_output=True
+        ),
+    )[0].outputs[0]
+    assert kept.text == full.text[: full.text.index("Paris") + len("Paris")]
