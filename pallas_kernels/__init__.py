@@ -14,6 +14,10 @@ from pallas_kernels.reference import (
     paged_attention_decode_reference,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.xla_paged_attention import (
+    xla_paged_attention_decode,
+    xla_ragged_paged_attention,
+)
 
 __all__ = [
     "gpu_paged_attention_decode",
@@ -23,4 +27,6 @@ __all__ = [
     "ragged_paged_attention_reference",
     "resolve_impl",
     "write_kv",
+    "xla_paged_attention_decode",
+    "xla_ragged_paged_attention",
 ]

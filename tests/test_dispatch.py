@@ -33,10 +33,10 @@ def _inputs(dtype=jnp.float32):
 @pytest.mark.parametrize(
     "impl,bs,d,backend,want",
     [
-        ("auto", 16, 128, "cpu", "reference"),
+        ("auto", 16, 128, "cpu", "xla"),
         ("auto", 16, 128, "gpu", "gpu"),
-        ("auto", 12, 128, "gpu", "reference"),  # block size not a power of 2
-        ("auto", 16, 80, "gpu", "reference"),  # head dim not a power of 2
+        ("auto", 12, 128, "gpu", "xla"),  # block size not a power of 2
+        ("auto", 16, 80, "gpu", "xla"),  # head dim not a power of 2
         ("auto", 16, 128, "tpu", "tpu"),
         ("reference", 16, 128, "gpu", "reference"),
         ("gpu", 16, 128, "cpu", "gpu"),
@@ -47,11 +47,11 @@ def test_resolve_impl(impl, bs, d, backend, want):
     assert resolve_impl(impl, bs, d, backend) == want
 
 
-def test_auto_is_reference_on_this_machine():
-    assert jax.default_backend() != "cpu" or resolve_impl("auto", 16, 128) == "reference"
+def test_auto_is_xla_on_this_machine():
+    assert jax.default_backend() != "cpu" or resolve_impl("auto", 16, 128) == "xla"
 
 
-@pytest.mark.parametrize("impl", ["auto", "reference", "gpu"])
+@pytest.mark.parametrize("impl", ["auto", "reference", "xla", "gpu"])
 def test_decode_routes(impl):
     q, kp, vp, bt, kv = _inputs()
     out = paged_attention(q, kp, vp, bt, kv, scale=0.3, impl=impl, interpret=True)
@@ -59,7 +59,7 @@ def test_decode_routes(impl):
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["reference", "gpu"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "gpu"])
 def test_ragged_routes_and_num_seqs_defaults_to_all(impl):
     q, kp, vp, bt, kv = _inputs()
     q = jnp.concatenate([q, q])  # 6 rows: seq 0 gets 0, seq 1 gets 2, seq 2 gets 3, 1 padding
