@@ -60,7 +60,8 @@ class EngineConfig:
       max_decode_steps: decode steps run on the device per call when the batch is all decode
         (1 = a host round trip per token).
       seed: engine seed for requests without their own.
-      attention_impl: "auto", "reference", "gpu" or "tpu" (`pallas_kernels.paged_attention`).
+      attention_impl: "auto", "reference", "xla", "gpu" or "tpu"
+        (`pallas_kernels.paged_attention`).
       attention_interpret: run the Pallas kernels in the interpreter (tests on the CPU).
       max_logprobs: the most log-probs a request may ask for per position.
       enable_prefix_caching: reuse the KV blocks of earlier prompts with the same prefix
@@ -104,10 +105,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
-        if self.attention_impl not in ("auto", "reference", "gpu", "tpu"):
+        if self.attention_impl not in ("auto", "reference", "xla", "gpu", "tpu"):
             raise ValueError(
                 f"attention_impl={self.attention_impl!r} must be one of "
-                "'auto', 'reference', 'gpu', 'tpu'"
+                "'auto', 'reference', 'xla', 'gpu', 'tpu'"
             )
 
 
@@ -523,14 +524,7 @@ class LLMEngine:
         self._stats["num_device_calls"] += 1
         used = 1.0 - self.scheduler.num_free_blocks / max(1, self.scheduler.num_blocks)
         self._stats["peak_kv_usage"] = max(self._stats["peak_kv_usage"], used)
-        # Sharing: block-table entries (logical) vs physical blocks in use, summed over steps.
-        bs = self.config.block_size
-        self._stats["logical_block_steps"] += sum(
-            blocks_for(q.num_computed, bs) for q in self.scheduler.running
-        )
-        self._stats["physical_block_steps"] += (
-            self.scheduler.num_blocks - self.scheduler.num_free_blocks
-        )
+
         self._maybe_log()
         outs = []
         for req in progressed.values():
@@ -673,6 +667,8 @@ class LLMEngine:
         out = jax.device_get(out)
         self.scheduler.num_free_blocks = int(out.num_free)
         bs = self.config.block_size
+        done = {id(c.seq): c.start + c.length for r, c in enumerate(chunks) if out.ok[r]}
+        self._account_sharing([done.get(id(q), q.num_computed) for q in self.scheduler.running])
         off = 0
         for r, c in enumerate(chunks):
             s = c.seq
@@ -746,13 +742,17 @@ class LLMEngine:
         out = jax.device_get(out)
         self.scheduler.num_free_blocks = int(out.num_free)
         n = int(out.num_steps)
+        self._account_sharing(
+            [q.num_computed + int(np.sum(out.tokens[:n, r] >= 0)) for r, q in enumerate(seqs)]
+        )
         for r, s in enumerate(seqs):
             toks = out.tokens[:n, r]
             m = int(np.sum(toks >= 0))
             # The device reserved exactly the m tokens it computed: bring the host mirror in line
             # (the scheduler had granted one step) before finishing can release the blocks.
             s.num_computed += m
-            self.scheduler.set_num_blocks(s, blocks_for(s.num_computed, self.config.block_size))
+            # The device count above already includes these blocks: only the table size moves.
+            s.num_blocks = blocks_for(s.num_computed, self.config.block_size)
             self._append(
                 s,
                 [int(x) for x in toks[:m]],
@@ -762,6 +762,15 @@ class LLMEngine:
                 list(out.top_logprobs[:m, r]),
             )
             progressed[s.request_id] = s.request
+
+    def _account_sharing(self, lengths: list[int]) -> None:
+        """Adds one step's block-table entries (logical blocks: what the running sequences
+        would hold without sharing) and physical blocks in use (cached-but-free excluded)."""
+        bs = self.config.block_size
+        self._stats["logical_block_steps"] += sum(blocks_for(n, bs) for n in lengths)
+        self._stats["physical_block_steps"] += (
+            self.scheduler.num_blocks - self.scheduler.num_free_blocks
+        )
 
     def _track_key(self) -> bool:
         return self.state.sampling.tracks_tokens

@@ -115,8 +115,14 @@ def _copy_on_write(kv, res: bm.Reservation):
     )
 
 
-def _paged_attn(opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens, num_rows):
-    """The model's attention function for a flattened ragged batch (``B == 1`` in the model)."""
+def _paged_attn(
+    opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens=None, num_rows=None
+):
+    """The model's attention function over the paged cache (the model sees ``B == 1``).
+
+    With ``cu_q_lens`` the flattened tokens form a ragged batch (prefill chunks and decodes);
+    without, there is one decode token per row.
+    """
 
     def attn(layer, q, k, v, kv):
         kv = kvc._write(kv, layer, k[0], v[0], slots)
@@ -128,28 +134,6 @@ def _paged_attn(opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens,
             kv_lens,
             cu_q_lens,
             num_rows,
-            scale=opts.scale,
-            sliding_window=opts.sliding_window,
-            soft_cap=opts.soft_cap,
-            impl=opts.impl,
-            interpret=opts.interpret,
-        )
-        return out[None], kv
-
-    return attn
-
-
-def _decode_attn(opts: AttentionOptions, slots, block_tables, kv_lens):
-    """Attention for one decode token per row (the model sees ``[1, B]``)."""
-
-    def attn(layer, q, k, v, kv):
-        kv = kvc._write(kv, layer, k[0], v[0], slots)
-        out = paged_attention(
-            q[0],
-            kv.k[layer],
-            kv.v[layer],
-            block_tables,
-            kv_lens,
             scale=opts.scale,
             sliding_window=opts.sliding_window,
             soft_cap=opts.soft_cap,
@@ -294,7 +278,7 @@ def decode_step(
     slots = bm.token_slots(blocks, jnp.where(ok, row_slot, -1), positions)
     block_tables = blocks.block_tables[safe_slot]
     kv_lens = jnp.where(ok, blocks.seq_lens[safe_slot], 0)
-    attn = _decode_attn(opts, slots, block_tables, kv_lens)
+    attn = _paged_attn(opts, slots, block_tables, kv_lens)
     logits, kv = model.forward(last_tokens[None], jnp.maximum(positions, 0)[None], attn, kv)
     rows = _gather_rows(state.sampling, safe_slot)
     out = sampling.sample(

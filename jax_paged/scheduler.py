@@ -297,12 +297,6 @@ class Scheduler:
             k //= 2
         return 1
 
-    def set_num_blocks(self, seq: Sequence, num_blocks: int) -> None:
-        """Records that the device now holds ``num_blocks`` blocks for ``seq`` (after a
-        multi-step decode call, which reserves on the device as it goes)."""
-        self.num_free_blocks -= num_blocks - seq.num_blocks
-        seq.num_blocks = num_blocks
-
     def drain_preempted_slots(self) -> list[int]:
         """Slots of sequences preempted since the last call: the device must free them."""
         out, self._preempted_slots = self._preempted_slots, []

@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-decode-steps", type=int, default=32)
-    e.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "gpu", "tpu"])
+    e.add_argument(
+        "--attention-impl", default="auto", choices=["auto", "reference", "xla", "gpu", "tpu"]
+    )
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("-v", "--verbose", action="store_true", help="engine logs (KV usage, ...)")
     return ap
