@@ -202,6 +202,10 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._pending_free: list[int] = []
         self._cache_reqs: dict[int, list[int]] = {}  # slot -> tokens whose full blocks to cache
+        # First blocks ever offered to the prefix cache: a prompt whose first block is not here
+        # cannot hit, so its admission skips the device lookup (a superset: evictions are not
+        # tracked, which only costs a lookup that finds nothing).
+        self._cached_heads: set[tuple[int, ...]] = set()
         self._fork_pairs: list[tuple[int, int]] = []
         self._fork_waiting: dict[str, _Request] = {}
         self.caching = config.enable_prefix_caching
@@ -566,7 +570,9 @@ class LLMEngine:
         cache_slots = np.full(s, -1, np.int32)
         cache_tokens = np.zeros((s, k), np.int32)
         cache_len = np.zeros(s, np.int32)
+        bs = self.config.block_size
         for i, (slot, toks) in enumerate(self._cache_reqs.items()):
+            self._cached_heads.add(tuple(toks[:bs]))
             cache_slots[i] = slot
             cache_tokens[i, : len(toks)] = toks
             cache_len[i] = len(toks)
@@ -585,6 +591,11 @@ class LLMEngine:
             # Cached positions have no logits: compute the whole prompt (vLLM does the same).
             return 0, self.scheduler.num_free_blocks
         toks = seq.all_token_ids
+        bs = self.config.block_size
+        if len(toks) <= bs or tuple(toks[:bs]) not in self._cached_heads:
+            if seq.num_preemptions == 0:
+                self._stats["prefix_cache_queries"] += len(seq.prompt_token_ids)
+            return 0, self.scheduler.num_free_blocks
         k = self.max_blocks_per_seq * self.config.block_size
         tokens = np.zeros((1, k), np.int32)
         tokens[0, : len(toks)] = toks
