@@ -188,7 +188,15 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             dtype=self.dtype,
         )
-        blocks = bm.init_state(self.num_blocks, bs, self.max_num_seqs, self.max_blocks_per_seq)
+        # A direct-mapped prefix-cache table: a bucket collision costs a miss (and stops that
+        # prompt's chain), so give it 16 buckets per block (4 bytes each) to keep that rare.
+        blocks = bm.init_state(
+            self.num_blocks,
+            bs,
+            self.max_num_seqs,
+            self.max_blocks_per_seq,
+            hash_table_size=16 * _pow2_at_least(self.num_blocks),
+        )
         samp = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=False)
         self.state = runner.DeviceState(kv=kv, blocks=blocks, sampling=samp)
         self.scheduler = Scheduler(
