@@ -30,3 +30,15 @@ def test_research_scan_example(tiny_llama, monkeypatch):
     assert (first >= 0).all()
     # Rows 0 and 2 have the same prompt and greedy sampling: the same continuation.
     assert (tokens[:, 0] == tokens[:, 2]).all()
+
+
+def test_vllm_shaped_example_on_smollm2(capsys):
+    """The first Python example, as written, on the embedded SmolLM2."""
+    scope: dict = {}
+    exec(compile(_block_after("## Use it from Python"), "README.md", "exec"), scope)
+    outs = scope["outs"]
+    assert len(outs) == 2 and all(o.error is None for o in outs)
+    assert len(outs[0].outputs[0].token_ids) > 0
+    assert outs[0].outputs[0].finish_reason in ("stop", "length")
+    printed = capsys.readouterr().out
+    assert "generation_tokens_per_s" in printed
