@@ -42,3 +42,8 @@ def test_vllm_shaped_example_on_smollm2(capsys):
     assert outs[0].outputs[0].finish_reason in ("stop", "length")
     printed = capsys.readouterr().out
     assert "generation_tokens_per_s" in printed
+
+
+def test_block_manager_example(capsys):
+    exec(compile(_block_after("## The block manager"), "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "1023"
