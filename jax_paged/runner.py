@@ -125,15 +125,19 @@ def _paged_attn(
     """
 
     def attn(layer, q, k, v, kv):
+        # `layer` is the traced counter of the model's layer scan and `kv` its carry: the
+        # write scatters into the stacked pages in place and the kernel reads them through the
+        # index (a `kv.k[layer]` slice would copy the layer's whole pool every step).
         kv = kvc._write(kv, layer, k[0], v[0], slots)
         out = paged_attention(
             q[0],
-            kv.k[layer],
-            kv.v[layer],
+            kv.k,
+            kv.v,
             block_tables,
             kv_lens,
             cu_q_lens,
             num_rows,
+            layer=layer,
             scale=opts.scale,
             sliding_window=opts.sliding_window,
             soft_cap=opts.soft_cap,

@@ -3,8 +3,8 @@
 Stands in for the paged engine in scripts and tests: the cache lives entirely in the attention
 function (`make_contiguous_cache_attention`), so the model code is the same one the engine uses.
 
-Cache layout: a list with one `(k, v)` pair per layer, each `[B, S, KVH, D]`, indexed by token
-position (separate buffers per layer, so a layer's write updates only its own buffer in place).
+Cache layout: a pair `(k, v)`, each `[L, B, S, KVH, D]`, indexed by layer and token position; the
+layer scan carries it and each layer scatters its K/V in place at its own index.
 Prompts are right-padded; a pad token writes garbage at positions past its prompt, but a query at
 position p only reads keys at positions <= p, and every such position was written by a real token
 first (decode step s writes position len_b + s before reading it).
@@ -24,30 +24,28 @@ from models.llama import AttentionFn, Transformer, dense_attention
 
 
 def make_contiguous_cache_attention(config: ModelConfig, positions: jax.Array) -> AttentionFn:
-    """Attention function writing K/V at `positions` i32[B,T] into `kv[layer] = (k, v)`.
+    """Attention function writing K/V at `positions` i32[B,T] into layer `layer` of `kv`.
 
-    kv: list over layers of (k, v) pairs, each [B,S,KVH,D].
+    kv: (k, v), each [L,B,S,KVH,D].
     """
 
-    def attn(layer: int, q, k, v, kv):
-        k_cache, v_cache = kv[layer]
+    def attn(layer, q, k, v, kv):
+        k_all, v_all = kv
         b, t = positions.shape
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype))
-        kv = list(kv)
-        kv[layer] = (k_cache, v_cache)
-        s = k_cache.shape[1]
+        k_all = k_all.at[layer, rows, positions].set(k.astype(k_all.dtype))
+        v_all = v_all.at[layer, rows, positions].set(v.astype(v_all.dtype))
+        s = k_all.shape[2]
         out = dense_attention(
             q,
-            k_cache,
-            v_cache,
+            k_all[layer],
+            v_all[layer],
             scale=config.scale,
             q_positions=positions,
             k_positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
             sliding_window=config.sliding_window,
         )
-        return out, kv
+        return out, (k_all, v_all)
 
     return attn
 
@@ -90,10 +88,8 @@ def greedy_generate(
     tokens = np.zeros((b, t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    shape = (b, s, c.num_kv_heads, c.head_dim)
-    kv = [
-        (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(c.num_layers)
-    ]
+    shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
+    kv = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
     graphdef, state = nnx.split(model)
 
     positions = np.broadcast_to(np.arange(t_pad, dtype=np.int32), (b, t_pad))

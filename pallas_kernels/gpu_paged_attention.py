@@ -35,6 +35,15 @@ start) is divided evenly among the ``num_splits`` programs of the last grid axis
 (flash-decoding), so one long sequence still fills the GPU; a small `jnp` epilogue merges the
 splits with their ``(m, l)`` and scatters rows back to ``[T, H, D]``.
 
+Layers: ``k_pages``/``v_pages`` are the pages of all layers stacked, ``[L, KVH, N, bs, D]`` (a
+single layer's ``[KVH, N, bs, D]`` is taken as ``L = 1``), plus a ``layer`` index that may be
+traced (the counter of a `lax.scan` over layers). The K/V block of a program is one KV head's
+pages of *all* layers, ``[L, N, bs, D]``: for the Triton lowering that is just a base pointer
+into the stacked array, nothing is copied. The layer travels in the per-block ``meta`` row and
+is one more term of the gather's address (``k_pages_ref[layer, pages]``). Slicing
+``k_pages[layer]`` outside the kernel instead would make XLA copy the layer's whole pool before
+every call, every layer, every step.
+
 Masking is by position, never by sentinel: keys past ``hi`` may come from the null block 0 or a
 stale page tail, so their probabilities are set to exactly 0 and their V rows to 0 (garbage may
 be NaN). A row that sees no key (``kv_lens == 0``, padding rows) outputs 0.
@@ -50,7 +59,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import token_positions
+from pallas_kernels.reference import check_layer, stacked_pages, token_positions
 
 __all__ = ["gpu_paged_attention_decode", "gpu_ragged_paged_attention"]
 
@@ -63,10 +72,10 @@ _TARGET_PROGRAMS = 2 * 132
 
 def _paged_attention_kernel(
     q_ref,  # [M, D] query rows of one query block and one KV head
-    k_pages_ref,  # [N, bs, D] this KV head's pages
-    v_pages_ref,  # [N, bs, D]
+    k_pages_ref,  # [L, N, bs, D] this KV head's pages, all layers
+    v_pages_ref,  # [L, N, bs, D]
     block_table_ref,  # [P_pad] the block's sequence's block table
-    meta_ref,  # [4] (pos0, num_q, _, _): position of the block's first token, valid tokens
+    meta_ref,  # [4] (pos0, num_q, layer, _): first token's position, valid tokens, layer
     o_ref,  # [M, D] normalised output of this split
     m_ref,  # [M] running max (base 2) of this split
     l_ref,  # [M] softmax denominator of this split
@@ -80,11 +89,12 @@ def _paged_attention_kernel(
 ):
     split = pl.program_id(2)
     m_rows, head_dim = q_ref.shape
-    page_size = k_pages_ref.shape[1]
+    page_size = k_pages_ref.shape[2]
     bk = pages_per_block * page_size
 
     pos0 = meta_ref[0]
     num_q = meta_ref[1]
+    layer = meta_ref[2]  # in [0, L): clamped by the wrapper
     # Keys the block can see: [lo, hi). hi is one past the last valid query's position.
     hi = jnp.minimum(pos0 + num_q, block_table_ref.shape[0] * page_size)
     lo = jnp.int32(0) if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
@@ -108,8 +118,8 @@ def _paged_attention_kernel(
     def body(cb, carry):
         o_prev, m_prev, l_prev = carry  # [M, D], [M], [M]
         pages = block_table_ref[pl.ds(cb * pages_per_block, pages_per_block)]  # [ppb]
-        k = k_pages_ref[pages].reshape(bk, head_dim)  # [bk, D]
-        v = v_pages_ref[pages].reshape(bk, head_dim)  # [bk, D]
+        k = k_pages_ref[layer, pages].reshape(bk, head_dim)  # [bk, D]
+        v = v_pages_ref[layer, pages].reshape(bk, head_dim)  # [bk, D]
         s = plgpu.dot(q, k, trans_b=True) * logit_scale  # [M, bk] f32, base-2 logits
         if soft_cap is not None:
             s = jnp.tanh(s) * (soft_cap * _LOG2E)
@@ -145,10 +155,10 @@ def _prev_pow2(x: int) -> int:
 
 def _attend_blocks(
     q_blocks: jax.Array,  # [NQB, KVH, M, D]
-    k_pages: jax.Array,  # [KVH, N, bs, D]
-    v_pages: jax.Array,  # [KVH, N, bs, D]
+    k_pages: jax.Array,  # [L, KVH, N, bs, D]
+    v_pages: jax.Array,  # [L, KVH, N, bs, D]
     block_tables: jax.Array,  # i32[NQB, P] each block's sequence's table
-    meta: jax.Array,  # i32[NQB, 4] (pos0, num_q, 0, 0)
+    meta: jax.Array,  # i32[NQB, 4] (pos0, num_q, layer, 0), layer in [0, L)
     *,
     group: int,
     scale: float,
@@ -162,7 +172,7 @@ def _attend_blocks(
 ) -> jax.Array:  # [NQB, KVH, M, D] in q dtype
     """Runs the kernel over all query blocks and merges the key splits."""
     nqb, kvh, m_rows, d = q_blocks.shape
-    _, n, bs, _ = k_pages.shape
+    num_layers, _, n, bs, _ = k_pages.shape
     p = block_tables.shape[1]
     p_pad = pl.cdiv(p, pages_per_block) * pages_per_block
     if p_pad != p:  # whole compute blocks; the padding reads block 0 and is masked
@@ -182,8 +192,9 @@ def _attend_blocks(
         grid=(nqb, kvh, num_splits),
         in_specs=[
             pl.BlockSpec((None, None, m_rows, d), lambda b, h, s: (b, h, 0, 0)),  # q
-            pl.BlockSpec((None, n, bs, d), lambda b, h, s: (h, 0, 0, 0)),  # k_pages
-            pl.BlockSpec((None, n, bs, d), lambda b, h, s: (h, 0, 0, 0)),  # v_pages
+            # KV head h's pages of every layer: a pointer offset, the layer is picked inside.
+            pl.BlockSpec((num_layers, None, n, bs, d), lambda b, h, s: (0, h, 0, 0, 0)),  # k
+            pl.BlockSpec((num_layers, None, n, bs, d), lambda b, h, s: (0, h, 0, 0, 0)),  # v
             pl.BlockSpec((None, p_pad), lambda b, h, s: (b, 0)),  # block_tables
             pl.BlockSpec((None, 4), lambda b, h, s: (b, 0)),  # meta
         ],
@@ -244,17 +255,17 @@ _STATIC = (
 )
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def gpu_paged_attention_decode(
     q: jax.Array,  # [B, H, D]
-    k_pages: jax.Array,  # [KVH, N, bs, D]
-    v_pages: jax.Array,  # [KVH, N, bs, D]
+    k_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
+    v_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
     block_tables: jax.Array,  # i32[B, P]
     kv_lens: jax.Array,  # i32[B]
     *,
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    layer: int | jax.Array = 0,  # int or i32[]
     interpret: bool = False,
     pages_per_block: int | None = None,
     num_splits: int | None = None,
@@ -264,18 +275,64 @@ def gpu_paged_attention_decode(
     """Decode paged attention: query b at position ``kv_lens[b] - 1``; ``kv_lens[b] == 0`` -> 0.
 
     Args:
-      q: ``[B, H, D]``; k_pages, v_pages: ``[KVH, N, bs, D]``; block_tables: ``i32[B, P]``;
+      q: ``[B, H, D]``; k_pages, v_pages: ``[L, KVH, N, bs, D]``, the pages of all layers
+        (``[KVH, N, bs, D]`` is one layer, ``L = 1``); block_tables: ``i32[B, P]``;
         kv_lens: ``i32[B]`` (the current token included).
       scale, sliding_window, soft_cap: as in `pallas_kernels.reference`.
+      layer: the layer whose pages are read, an int in ``[0, L)`` or a traced ``i32[]`` (e.g. a
+        `lax.scan` counter; clamped to ``[0, L)``). The kernel addresses it in the stacked
+        pages; nothing is sliced out.
       interpret: run in the Pallas interpreter (CPU tests).
       pages_per_block: pages per compute block (default: about 64 keys).
       num_splits: key splits per sequence (flash-decoding; default from the grid size).
       num_warps, num_stages: Triton launch parameters.
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
+    Raises:
+      ValueError: pages of the wrong rank or shapes, ``layer`` out of range or not an integer.
     """
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
+    layer = check_layer(k_pages, layer)
+    return _decode(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        kv_lens,
+        layer,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+        pages_per_block=pages_per_block,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode(
+    q,  # [B, H, D]
+    k_pages,  # [L, KVH, N, bs, D] or [KVH, N, bs, D]
+    v_pages,  # same as k_pages
+    block_tables,  # i32[B, P]
+    kv_lens,  # i32[B]
+    layer,  # int or i32[], checked
+    *,
+    scale,
+    sliding_window,
+    soft_cap,
+    interpret,
+    pages_per_block,
+    num_splits,
+    num_warps,
+    num_stages,
+):  # [B, H, D]
+    k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
     b, h, d = q.shape
-    kvh, _, bs, _ = k_pages.shape
+    _, kvh, _, bs, _ = k_pages.shape
     group = h // kvh
     ppb = pages_per_block or _default_pages_per_block(bs)
     _check_tunables(bs, d, ppb)
@@ -284,7 +341,13 @@ def gpu_paged_attention_decode(
     q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, m_rows - group), (0, 0)))
     kv_lens = kv_lens.astype(jnp.int32)
     meta = jnp.stack(
-        [kv_lens - 1, (kv_lens > 0).astype(jnp.int32)] + [jnp.zeros_like(kv_lens)] * 2, axis=1
+        [
+            kv_lens - 1,
+            (kv_lens > 0).astype(jnp.int32),
+            jnp.broadcast_to(layer, kv_lens.shape),
+            jnp.zeros_like(kv_lens),
+        ],
+        axis=1,
     )  # [B, 4]
     splits = num_splits or _default_splits(b * kvh, pl.cdiv(block_tables.shape[1], ppb))
     o = _attend_blocks(
@@ -306,11 +369,10 @@ def gpu_paged_attention_decode(
     return o[:, :, :group].reshape(b, h, d)
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "block_q"))
 def gpu_ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
-    k_pages: jax.Array,  # [KVH, N, bs, D]
-    v_pages: jax.Array,  # [KVH, N, bs, D]
+    k_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
+    v_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
     block_tables: jax.Array,  # i32[S, P]
     kv_lens: jax.Array,  # i32[S]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -319,6 +381,7 @@ def gpu_ragged_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    layer: int | jax.Array = 0,  # int or i32[]
     interpret: bool = False,
     block_q: int | None = None,
     pages_per_block: int | None = None,
@@ -333,17 +396,66 @@ def gpu_ragged_paged_attention(
     Rows at or past ``cu_q_lens[num_seqs]`` output 0.
 
     Args:
-      q: ``[T, H, D]``; k_pages, v_pages: ``[KVH, N, bs, D]``; block_tables: ``i32[S, P]``;
-        kv_lens: ``i32[S]``; cu_q_lens: ``i32[S+1]``; num_seqs: ``i32[]``.
-      scale, sliding_window, soft_cap, interpret, pages_per_block, num_splits, num_warps,
-        num_stages: as in `gpu_paged_attention_decode`.
+      q: ``[T, H, D]``; k_pages, v_pages: ``[L, KVH, N, bs, D]`` (or ``[KVH, N, bs, D]``,
+        ``L = 1``); block_tables: ``i32[S, P]``; kv_lens: ``i32[S]``; cu_q_lens: ``i32[S+1]``;
+        num_seqs: ``i32[]``.
+      scale, sliding_window, soft_cap, layer, interpret, pages_per_block, num_splits,
+        num_warps, num_stages: as in `gpu_paged_attention_decode`.
       block_q: query tokens per query block (power of 2; default 1 when ``T <= S``, a decode
         step, else about 64 rows per block).
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
+    Raises:
+      ValueError: as in `gpu_paged_attention_decode`, or ``block_q`` not a power of 2.
     """
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
+    layer = check_layer(k_pages, layer)
+    return _ragged(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        layer,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+        block_q=block_q,
+        pages_per_block=pages_per_block,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "block_q"))
+def _ragged(
+    q,  # [T, H, D]
+    k_pages,  # [L, KVH, N, bs, D] or [KVH, N, bs, D]
+    v_pages,  # same as k_pages
+    block_tables,  # i32[S, P]
+    kv_lens,  # i32[S]
+    cu_q_lens,  # i32[S+1]
+    num_seqs,  # i32[]
+    layer,  # int or i32[], checked
+    *,
+    scale,
+    sliding_window,
+    soft_cap,
+    interpret,
+    block_q,
+    pages_per_block,
+    num_splits,
+    num_warps,
+    num_stages,
+):  # [T, H, D]
+    k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
     t, h, d = q.shape
-    kvh, _, bs, _ = k_pages.shape
+    _, kvh, _, bs, _ = k_pages.shape
     s = kv_lens.shape[0]
     group = h // kvh
     ppb = pages_per_block or _default_pages_per_block(bs)
@@ -373,7 +485,7 @@ def gpu_ragged_paged_attention(
     kv_lens = kv_lens.astype(jnp.int32)
     blk_pos0 = kv_lens[blk_seq] - q_len[blk_seq] + blk_first  # [NQB]
     meta = jnp.stack(
-        [blk_pos0, blk_num_q, jnp.zeros_like(blk), jnp.zeros_like(blk)], axis=1
+        [blk_pos0, blk_num_q, jnp.broadcast_to(layer, blk.shape), jnp.zeros_like(blk)], axis=1
     )  # [NQB, 4]
 
     # Gather q rows into blocks: [NQB, bq] token indices (T = zero row for padding).

@@ -12,6 +12,12 @@
 "reference" is the oracle every implementation is tested against: it gathers each query's whole
 block table, so its cost grows with the table width (max_model_len), not the live context.
 
+Pages come either as one layer, ``[KVH, N, bs, D]``, or stacked over layers, ``[L, KVH, N, bs,
+D]`` with ``layer`` (a Python int or a traced ``i32[]``, e.g. the counter of a scan over layers)
+picking one. Every implementation reads the stacked array in place through the layer index: a
+slice ``k_pages[layer]`` taken outside the kernel would be a copy of the layer's whole pool on
+every call, so the cost would follow the pool size instead of the live tokens.
+
 "auto" falls back to the reference on a GPU when the shapes are outside what the GPU kernel
 takes (block size or head dim not a power of two), rather than failing; an explicit
 ``impl="gpu"`` raises instead. Every input is checked here, at trace time, with errors that name
@@ -73,6 +79,7 @@ def _check_inputs(
     kv_lens,
     cu_q_lens,
     num_seqs,
+    layer,
     *,
     scale,
     sliding_window,
@@ -80,8 +87,8 @@ def _check_inputs(
 ):
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [B, H, D] (decode) or [T, H, D] (ragged)")
-    if k_pages.ndim != 4:
-        raise ValueError(f"{k_pages.shape=} must be [KVH, N, bs, D]")
+    if k_pages.ndim != 5:
+        raise ValueError(f"{k_pages.shape=} must be [KVH, N, bs, D] or [L, KVH, N, bs, D]")
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
     if q.dtype not in _FLOAT_DTYPES:
@@ -89,7 +96,8 @@ def _check_inputs(
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=}")
     num_q, num_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, head_dim_k = k_pages.shape
+    _, num_kv_heads, num_blocks, block_size, head_dim_k = k_pages.shape
+    _ref.check_layer(k_pages, layer)
     if head_dim_k != head_dim:
         raise ValueError(f"{head_dim_k=} (k_pages.shape[3]) must equal {head_dim=} (q.shape[2])")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -119,13 +127,14 @@ def _check_inputs(
 
 def paged_attention(
     q: jax.Array,  # [B, H, D] decode, or [T, H, D] ragged
-    k_pages: jax.Array,  # [KVH, N, bs, D]
-    v_pages: jax.Array,  # [KVH, N, bs, D]
+    k_pages: jax.Array,  # [KVH, N, bs, D] or [L, KVH, N, bs, D]
+    v_pages: jax.Array,  # same as k_pages
     block_tables: jax.Array,  # i32[B, P] decode, i32[S, P] ragged
     kv_lens: jax.Array,  # i32[B] or i32[S]
     cu_q_lens: jax.Array | None = None,  # i32[S+1]; given -> ragged form
     num_seqs: jax.Array | int | None = None,  # i32[]; default S
     *,
+    layer: jax.Array | int | None = None,  # i32[] or int; required with stacked pages
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -133,6 +142,8 @@ def paged_attention(
     interpret: bool = False,
 ) -> jax.Array:  # same shape and dtype as q
     """Paged attention over one layer's pages, decode or ragged (docs/DESIGN.md, "Kernels").
+
+    The pages are one layer's, or all layers' with ``layer`` choosing one (read in place).
 
     Decode (``cu_q_lens is None``): query b sits at position ``kv_lens[b] - 1`` and sees keys
     ``0..kv_lens[b]-1``; ``kv_lens[b] == 0`` gives zeros.
@@ -143,13 +154,16 @@ def paged_attention(
 
     Args:
       q: ``[B, H, D]`` or ``[T, H, D]``; float32, bfloat16 or float16.
-      k_pages, v_pages: ``[KVH, N, bs, D]`` in ``q.dtype``; block 0 is the null block.
+      k_pages, v_pages: ``[KVH, N, bs, D]`` or ``[L, KVH, N, bs, D]`` in ``q.dtype``; block 0
+        is the null block.
       block_tables: ``i32[B or S, P]``; kv_lens: ``i32[B or S]`` (current tokens included).
       cu_q_lens: ``i32[S+1]`` query start offsets (ragged form only).
       num_seqs: live sequences (ragged form; default all S).
       scale: softmax scale (static), e.g. ``D ** -0.5``.
       sliding_window: key k visible from position p when ``p - k < sliding_window``.
       soft_cap: ``logits = soft_cap * tanh(scale * q.k / soft_cap)``.
+      layer: which layer of stacked pages (int in [0, L) or a traced integer scalar); must be
+        None or 0 for one layer's pages.
       impl: "auto", "reference", "xla", "gpu" or "tpu" (see module docstring).
       interpret: run a Pallas kernel in the interpreter.
     Returns:
@@ -158,6 +172,13 @@ def paged_attention(
       ValueError: on inconsistent shapes or dtypes, a head count not divisible by the KV heads,
         a bad scale/window/cap, an unknown impl, or shapes the forced kernel cannot take.
     """
+    if k_pages.ndim == 4 and v_pages.ndim == 4:
+        if layer is not None and not (isinstance(layer, numbers.Integral) and layer == 0):
+            raise ValueError(f"{layer=} must be None or 0 for one layer's pages [KVH, N, bs, D]")
+        k_pages, v_pages = k_pages[None], v_pages[None]  # a bitcast, no copy
+    elif layer is None:
+        raise ValueError(f"stacked pages {k_pages.shape=} [L, KVH, N, bs, D] need a layer")
+    layer = 0 if layer is None else layer
     _check_inputs(
         q,
         k_pages,
@@ -166,15 +187,18 @@ def paged_attention(
         kv_lens,
         cu_q_lens,
         num_seqs,
+        layer,
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    _, _, block_size, head_dim = k_pages.shape
+    _, _, _, block_size, head_dim = k_pages.shape
     which = resolve_impl(impl, block_size, head_dim)
     soft_cap = None if soft_cap is None else float(soft_cap)
     sliding_window = None if sliding_window is None else int(sliding_window)
-    kw = dict(scale=float(scale), sliding_window=sliding_window, soft_cap=soft_cap)
+    if not isinstance(layer, numbers.Integral):
+        layer = jnp.asarray(layer, jnp.int32)
+    kw = dict(layer=layer, scale=float(scale), sliding_window=sliding_window, soft_cap=soft_cap)
     ragged = cu_q_lens is not None
     if ragged and num_seqs is None:
         num_seqs = block_tables.shape[0]

@@ -24,33 +24,41 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["paged_attention_decode_reference", "ragged_paged_attention_reference"]
+__all__ = [
+    "check_layer",
+    "paged_attention_decode_reference",
+    "ragged_paged_attention_reference",
+    "stacked_pages",
+]
 
 _DEFAULT_MAX_CHUNK_BYTES = 512 * 1024 * 1024
 
 
 def _attend_tokens(
     q: jax.Array,  # [C, H, D]
-    k_pages: jax.Array,  # [KVH, N, bs, D]
-    v_pages: jax.Array,  # [KVH, N, bs, D]
+    k_pages: jax.Array,  # [L, KVH, N, bs, D]
+    v_pages: jax.Array,  # [L, KVH, N, bs, D]
     tables: jax.Array,  # i32[C, P], each token's own sequence's block table
     pos: jax.Array,  # i32[C], position of each query token; -1 for a row that sees nothing
     *,
+    layer: jax.Array,  # i32[]
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> jax.Array:  # [C, H, D] in q.dtype
     """Dense masked attention of C query tokens, each over its own sequence's pages."""
     c, h, d = q.shape
-    kvh, _, bs, _ = k_pages.shape
+    _, kvh, _, bs, _ = k_pages.shape
     p = tables.shape[1]
     g = h // kvh
-    # Gather: [KVH, C, P, bs, D] -> [KVH, C, P*bs, D]; key index k is the token position k.
+    # Gather: [C, P, KVH, bs, D] -> [KVH, C, P*bs, D]; key index k is the token position k.
     # Computed in float32 whatever the input dtype: exact enough to be the oracle, and XLA's CPU
     # matmuls run float32 several times faster than bfloat16 (the cast fuses into the gather).
-    k = k_pages[:, tables].reshape(kvh, c, p * bs, d).astype(jnp.float32)
-    v = v_pages[:, tables].reshape(kvh, c, p * bs, d).astype(jnp.float32)
+    k = k_pages[layer, :, tables].transpose(2, 0, 1, 3, 4).reshape(kvh, c, p * bs, d)
+    v = v_pages[layer, :, tables].transpose(2, 0, 1, 3, 4).reshape(kvh, c, p * bs, d)
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     qg = q.reshape(c, kvh, g, d).astype(jnp.float32)  # query head h = kv head h // g
     logits = jnp.einsum(
         "ckgd,kctd->ckgt", qg, k, precision=jax.lax.Precision.HIGHEST
@@ -76,18 +84,54 @@ def _attend_tokens(
 
 
 def _chunk_size(num_tokens: int, k_pages: jax.Array, num_pages_per_seq: int, max_bytes: int):
-    kvh, _, bs, d = k_pages.shape
+    _, kvh, _, bs, d = k_pages.shape
     per_token = 2 * kvh * num_pages_per_seq * bs * d * 4  # K and V gathered, f32 upper bound
     return max(1, min(num_tokens, max_bytes // max(per_token, 1)))
 
 
-def _attend_all(q, k_pages, v_pages, tables, pos, *, max_chunk_bytes, **kw):
+def check_layer(k_pages: jax.Array, layer) -> jax.Array | int:
+    """Checks ``layer`` against pages ``[L, KVH, N, bs, D]`` (or one layer's ``[KVH, N, bs, D]``,
+    L = 1) before any jit: an int (or concrete integer scalar) must lie in [0, L); a traced one
+    must be an integer scalar (its range is unknown: `stacked_pages` clamps it). Returns it."""
+    if k_pages.ndim not in (4, 5):
+        raise ValueError(
+            f"k_pages must be [L, KVH, N, bs, D] or [KVH, N, bs, D]; got {k_pages.shape=}"
+        )
+    num_layers = k_pages.shape[0] if k_pages.ndim == 5 else 1
+    try:
+        value = np.asarray(layer)  # an int, a NumPy integer or a concrete array
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        # Traced (e.g. a scan counter): only its type can be checked.
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(
+                f"layer must be an integer scalar; got {jnp.result_type(layer)}"
+                f"{list(jnp.shape(layer))}"
+            ) from None
+        return layer
+    if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer):
+        raise ValueError(f"{layer=} must be an int or an integer scalar")
+    if not 0 <= value < num_layers:
+        raise ValueError(f"{layer=} must be in [0, {num_layers}) (the pages' layers)")
+    return int(value)
+
+
+def stacked_pages(k_pages: jax.Array, v_pages: jax.Array, layer):
+    """``[L, KVH, N, bs, D]`` views of the pages (one layer's become a stack of one, a bitcast)
+    and the layer as ``i32[]``, clamped into [0, L) (a wild page address would fault)."""
+    if k_pages.ndim == 4:
+        k_pages, v_pages = k_pages[None], v_pages[None]
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_pages.shape[0] - 1)
+    return k_pages, v_pages, layer
+
+
+def _attend_all(q, k_pages, v_pages, tables, pos, *, max_chunk_bytes, layer, **kw):
     """Runs `_attend_tokens` over all T tokens in memory-bounded chunks."""
     t = q.shape[0]
     if t == 0:
         return jnp.zeros_like(q)
+    k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
     c = _chunk_size(t, k_pages, tables.shape[1], max_chunk_bytes)
-    attend = functools.partial(_attend_tokens, k_pages=k_pages, v_pages=v_pages, **kw)
+    attend = functools.partial(_attend_tokens, k_pages=k_pages, v_pages=v_pages, layer=layer, **kw)
     if c >= t:
         return attend(q, tables=tables, pos=pos)
     # lax.map(batch_size=c) vmaps over c tokens at a time: the per-token kernel is [1, H, D].
@@ -103,11 +147,12 @@ def _attend_all(q, k_pages, v_pages, tables, pos, *, max_chunk_bytes, **kw):
 )
 def paged_attention_decode_reference(
     q: jax.Array,  # [B, H, D]
-    k_pages: jax.Array,  # [KVH, N, bs, D]
-    v_pages: jax.Array,  # [KVH, N, bs, D]
+    k_pages: jax.Array,  # [KVH, N, bs, D] or [L, KVH, N, bs, D]
+    v_pages: jax.Array,  # same as k_pages
     block_tables: jax.Array,  # i32[B, P]
     kv_lens: jax.Array,  # i32[B]
     *,
+    layer: jax.Array | int = 0,  # i32[]: the layer of stacked pages
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -117,7 +162,9 @@ def paged_attention_decode_reference(
 
     Args:
       q: ``[B, H, D]`` one query token per sequence.
-      k_pages, v_pages: ``[KVH, N, bs, D]`` one layer's pages.
+      k_pages, v_pages: ``[KVH, N, bs, D]`` one layer's pages, or ``[L, KVH, N, bs, D]`` all
+        layers' with ``layer`` picking one (gathered in place, never sliced).
+      layer: i32[] or int, the layer of stacked pages.
       block_tables: ``i32[B, P]`` physical block of each logical block (unused entries 0).
       kv_lens: ``i32[B]`` cached tokens per sequence, the current one included.
       scale: softmax scale applied to ``q . k``.
@@ -138,6 +185,7 @@ def paged_attention_decode_reference(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         max_chunk_bytes=max_chunk_bytes,
+        layer=layer,
     )
 
 
@@ -172,13 +220,14 @@ def token_positions(
 )
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, H, D]
-    k_pages: jax.Array,  # [KVH, N, bs, D]
-    v_pages: jax.Array,  # [KVH, N, bs, D]
+    k_pages: jax.Array,  # [KVH, N, bs, D] or [L, KVH, N, bs, D]
+    v_pages: jax.Array,  # same as k_pages
     block_tables: jax.Array,  # i32[S, P]
     kv_lens: jax.Array,  # i32[S]
     cu_q_lens: jax.Array,  # i32[S+1]
     num_seqs: jax.Array,  # i32[]
     *,
+    layer: jax.Array | int = 0,  # i32[]: the layer of stacked pages
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -188,7 +237,8 @@ def ragged_paged_attention_reference(
 
     Args:
       q: ``[T, H, D]`` query rows; sequence s owns rows ``cu_q_lens[s]:cu_q_lens[s+1]``.
-      k_pages, v_pages: ``[KVH, N, bs, D]`` one layer's pages (the queries' K/V already written).
+      k_pages, v_pages: ``[KVH, N, bs, D]`` or ``[L, KVH, N, bs, D]`` (with ``layer``), the
+        queries' K/V already written.
       block_tables: ``i32[S, P]``.
       kv_lens: ``i32[S]`` cached tokens per sequence including this step's ``q_len_s`` tokens;
         row j of sequence s sits at position ``kv_lens[s] - q_len_s + j`` and sees keys
@@ -211,4 +261,5 @@ def ragged_paged_attention_reference(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         max_chunk_bytes=max_chunk_bytes,
+        layer=layer,
     )

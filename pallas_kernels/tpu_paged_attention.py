@@ -4,15 +4,20 @@ Contracts (shapes, `kv_lens`, positions, window, soft cap, GQA) are those of doc
 
 How the kernels work
 --------------------
-* Block tables, lengths (and `cu_q_lens`, `num_seqs`) are scalar-prefetch operands
-  (`pltpu.PrefetchScalarGridSpec`): they sit in SMEM, so the kernel can turn a logical page into
-  a physical one before it issues the copy.
-* K/V pages stay in HBM (`memory_space=pl.ANY`). A *chunk* is `pages_per_chunk` consecutive
-  logical pages of one sequence (`ct = pages_per_chunk * bs` keys); its pages are copied one DMA
-  per page into a VMEM buffer `[2, pages_per_chunk, bs, D]` (K and V each), double-buffered: chunk
-  n+1 is in flight while chunk n is computed. Only the pages holding keys some query can see are
-  copied (skipped: pages past the length, pages before a sliding window, pages after a causal
-  horizon); the rest of the buffer holds stale data that masking keeps out.
+* Block tables, lengths (and `cu_q_lens`, `num_seqs`) and the layer index are scalar-prefetch
+  operands (`pltpu.PrefetchScalarGridSpec`): they sit in SMEM, so the kernel can turn a logical
+  page into a physical one before it issues the copy.
+* K/V pages stay in HBM (`memory_space=pl.ANY`) as the pages of *all* layers,
+  `[L, KVH, N, bs, D]` (one layer's `[KVH, N, bs, D]` is taken as `L = 1`); the layer is part of
+  each page copy's source address (`k_hbm.at[layer, kv_head, page]`), so the layer may be a
+  traced scalar (a `lax.scan` counter) and no layer is ever sliced out of the stack (which XLA
+  would materialise as a copy of the layer's whole pool per call).
+* A *chunk* is `pages_per_chunk` consecutive logical pages of one sequence
+  (`ct = pages_per_chunk * bs` keys); its pages are copied one DMA per page into a VMEM buffer
+  `[2, pages_per_chunk, bs, D]` (K and V each), double-buffered: chunk n+1 is in flight while
+  chunk n is computed. Only the pages holding keys some query can see are copied (skipped: pages
+  past the length, pages before a sliding window, pages after a causal horizon); the rest of the
+  buffer holds stale data that masking keeps out.
 * One program streams the chunks of *several* sequences back to back (`seqs_per_block`
   sequences in decode, every sequence overlapping a block of `queries_per_block` rows in ragged),
   prefetching across sequence boundaries, so only the first chunk of a program waits on HBM.
@@ -68,6 +73,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.reference import check_layer, stacked_pages
+
 __all__ = ["tpu_paged_attention_decode", "tpu_ragged_paged_attention"]
 
 # Finite, so `exp(m_prev - m_new)` stays a number for rows that have seen no key yet.
@@ -85,16 +92,17 @@ class _PageCopier:
 
     def __init__(
         self,
-        k_hbm,  # [KVH, N, bs, D] in HBM
-        v_hbm,  # [KVH, N, bs, D] in HBM
+        k_hbm,  # [L, KVH, N, bs, D] in HBM
+        v_hbm,  # [L, KVH, N, bs, D] in HBM
         k_buf,  # [2, pages_per_chunk, bs, D] VMEM
         v_buf,  # [2, pages_per_chunk, bs, D] VMEM
         sems,  # DMA semaphores [2 (k, v), 2 (slot)]
+        layer,  # i32 scalar (from SMEM), in [0, L)
         kv_head,  # i32 scalar
         page_of: Callable,  # (item, logical_page) -> physical block id
     ):
         self.k_hbm, self.v_hbm, self.k_buf, self.v_buf = k_hbm, v_hbm, k_buf, v_buf
-        self.sems, self.kv_head, self.page_of = sems, kv_head, page_of
+        self.sems, self.layer, self.kv_head, self.page_of = sems, layer, kv_head, page_of
         _, self.pages_per_chunk, self.block_size, _ = k_buf.shape
         self.chunk_tokens = self.pages_per_chunk * self.block_size
 
@@ -113,7 +121,9 @@ class _PageCopier:
                 page = self.page_of(item, logical)
                 for src, dst, kv in ((self.k_hbm, self.k_buf, 0), (self.v_hbm, self.v_buf, 1)):
                     copy = pltpu.make_async_copy(
-                        src.at[self.kv_head, page], dst.at[slot, i], self.sems.at[kv, slot]
+                        src.at[self.layer, self.kv_head, page],  # [bs, D]
+                        dst.at[slot, i],
+                        self.sems.at[kv, slot],
                     )
                     getattr(copy, method)()
 
@@ -226,10 +236,11 @@ def _decode_kernel(
     # Scalar prefetch (SMEM).
     block_tables_ref,  # i32[B_pad * P], row-major [B_pad, P]
     kv_lens_ref,  # i32[B_pad]
+    layer_ref,  # i32[1] the layer whose pages are read
     # Inputs.
     q_ref,  # [bb, G, D] queries of sequences i*bb ... i*bb+bb-1, KV head h
-    k_hbm,  # [KVH, N, bs, D] in HBM
-    v_hbm,  # [KVH, N, bs, D] in HBM
+    k_hbm,  # [L, KVH, N, bs, D] in HBM
+    v_hbm,  # [L, KVH, N, bs, D] in HBM
     # Output.
     o_ref,  # [bb, G, D]
     # Scratch.
@@ -263,7 +274,7 @@ def _decode_kernel(
     def page_of(item, logical):
         return block_tables_ref[seq_of(item) * pages_per_seq + logical]
 
-    copier = _PageCopier(k_hbm, v_hbm, k_buf, v_buf, sems, h, page_of)
+    copier = _PageCopier(k_hbm, v_hbm, k_buf, v_buf, sems, layer_ref[0], h, page_of)
     ct = copier.chunk_tokens
 
     m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
@@ -303,10 +314,11 @@ def _ragged_kernel(
     kv_lens_ref,  # i32[S]
     cu_q_lens_ref,  # i32[S + 1]
     num_seqs_ref,  # i32[1]
+    layer_ref,  # i32[1] the layer whose pages are read
     # Inputs.
     q_ref,  # [G, bq, D] rows i*bq ... i*bq+bq-1 of the G query heads of KV head h
-    k_hbm,  # [KVH, N, bs, D] in HBM
-    v_hbm,  # [KVH, N, bs, D] in HBM
+    k_hbm,  # [L, KVH, N, bs, D] in HBM
+    v_hbm,  # [L, KVH, N, bs, D] in HBM
     # Output.
     o_ref,  # [G, bq, D]
     # Scratch.
@@ -356,7 +368,7 @@ def _ragged_kernel(
     def page_of(seq, logical):
         return block_tables_ref[seq * pages_per_seq + logical]
 
-    copier = _PageCopier(k_hbm, v_hbm, k_buf, v_buf, sems, h, page_of)
+    copier = _PageCopier(k_hbm, v_hbm, k_buf, v_buf, sems, layer_ref[0], h, page_of)
     ct = copier.chunk_tokens
 
     m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
@@ -416,16 +428,24 @@ def _interpret_context(interpret: bool):
     return contextlib.nullcontext()
 
 
+def _stacked(k_pages, v_pages, layer):
+    """`[L, KVH, N, bs, D]` views of the pages and the clamped layer as `i32[1]` (SMEM)."""
+    k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
+    return k_pages, v_pages, layer.reshape(1)
+
+
 def _check_pages_and_options(
     q, k_pages, v_pages, *, sliding_window, soft_cap, pages_per_chunk, num_pages_per_seq
 ):
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [KVH, N, bs, D]; got {k_pages.shape=}")
+    if k_pages.ndim not in (4, 5):
+        raise ValueError(
+            f"k_pages must be [L, KVH, N, bs, D] or [KVH, N, bs, D]; got {k_pages.shape=}"
+        )
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
     if q.ndim != 3:
         raise ValueError(f"q must be rank 3 [tokens, H, D]; got {q.shape=}")
-    num_kv_heads, _, block_size, head_dim = k_pages.shape
+    num_kv_heads, _, block_size, head_dim = k_pages.shape[-4:]
     if q.shape[2] != head_dim:
         raise ValueError(f"q head_dim {q.shape[2]} must equal the pages' {head_dim=}")
     if q.shape[1] % num_kv_heads != 0:
@@ -458,7 +478,7 @@ def _pages_per_chunk(pages_per_chunk: int | None, block_size: int, num_pages_per
 
 def _scratch(k_pages, pages_per_chunk, rows_shape):
     """K/V double buffers, their DMA semaphores, and m, l, acc for `rows_shape` query rows."""
-    _, _, block_size, head_dim = k_pages.shape
+    block_size, head_dim = k_pages.shape[-2:]
     buf = pltpu.VMEM((2, pages_per_chunk, block_size, head_dim), k_pages.dtype)
     stats = pltpu.VMEM((*rows_shape, _LANES), jnp.float32)
     return [
@@ -469,6 +489,60 @@ def _scratch(k_pages, pages_per_chunk, rows_shape):
         stats,  # l
         pltpu.VMEM((*rows_shape, head_dim), jnp.float32),  # acc
     ]
+
+
+def tpu_paged_attention_decode(
+    q: jax.Array,  # [B, H, D]
+    k_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
+    v_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
+    block_tables: jax.Array,  # i32[B, P]
+    kv_lens: jax.Array,  # i32[B]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    layer: int | jax.Array = 0,  # int or i32[]
+    interpret: bool = False,
+    pages_per_chunk: int | None = None,
+    seqs_per_block: int | None = None,
+) -> jax.Array:  # [B, H, D]
+    """Decode paged attention on TPU: query b sits at position `kv_lens[b] - 1`.
+
+    Args:
+      q: `[B, H, D]` one query token per sequence.
+      k_pages, v_pages: `[L, KVH, N, bs, D]` the pages of all layers (q's dtype);
+        `[KVH, N, bs, D]` is one layer (`L = 1`).
+      block_tables: `i32[B, P]` physical block of each logical block (unused entries 0).
+      kv_lens: `i32[B]` cached tokens per sequence including the current one; 0 gives zeros.
+      scale: softmax scale applied to `q . k`.
+      sliding_window: optional; key k is seen when `pos - k < sliding_window`.
+      soft_cap: optional; `logits = soft_cap * tanh(scale * q.k / soft_cap)`.
+      layer: the layer whose pages are read: an int in `[0, L)` or a traced `i32[]` (e.g. a
+        `lax.scan` counter; clamped to `[0, L)`). It is a scalar-prefetch operand and part of
+        each page DMA's source address; nothing is sliced out of the stacked pages.
+      interpret: run in the TPU interpreter (CPU tests).
+      pages_per_chunk: pages per DMA chunk (default: about 256 keys).
+      seqs_per_block: sequences streamed by one program (default `min(B, 8)`).
+    Returns:
+      `[B, H, D]` in q's dtype.
+    Raises:
+      ValueError: bad shapes, dtypes or options; `layer` out of range or not an integer.
+    """
+    layer = check_layer(k_pages, layer)
+    return _decode(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        kv_lens,
+        layer,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+        pages_per_chunk=pages_per_chunk,
+        seqs_per_block=seqs_per_block,
+    )
 
 
 @functools.partial(
@@ -482,36 +556,21 @@ def _scratch(k_pages, pages_per_chunk, rows_shape):
         "seqs_per_block",
     ),
 )
-def tpu_paged_attention_decode(
-    q: jax.Array,  # [B, H, D]
-    k_pages: jax.Array,  # [KVH, N, bs, D]
-    v_pages: jax.Array,  # [KVH, N, bs, D]
-    block_tables: jax.Array,  # i32[B, P]
-    kv_lens: jax.Array,  # i32[B]
+def _decode(
+    q,  # [B, H, D]
+    k_pages,  # [L, KVH, N, bs, D] or [KVH, N, bs, D]
+    v_pages,  # like k_pages
+    block_tables,  # i32[B, P]
+    kv_lens,  # i32[B]
+    layer,  # int or i32[], checked
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    interpret: bool = False,
-    pages_per_chunk: int | None = None,
-    seqs_per_block: int | None = None,
-) -> jax.Array:  # [B, H, D]
-    """Decode paged attention on TPU: query b sits at position `kv_lens[b] - 1`.
-
-    Args:
-      q: `[B, H, D]` one query token per sequence.
-      k_pages, v_pages: `[KVH, N, bs, D]` one layer's pages (q's dtype).
-      block_tables: `i32[B, P]` physical block of each logical block (unused entries 0).
-      kv_lens: `i32[B]` cached tokens per sequence including the current one; 0 gives zeros.
-      scale: softmax scale applied to `q . k`.
-      sliding_window: optional; key k is seen when `pos - k < sliding_window`.
-      soft_cap: optional; `logits = soft_cap * tanh(scale * q.k / soft_cap)`.
-      interpret: run in the TPU interpreter (CPU tests).
-      pages_per_chunk: pages per DMA chunk (default: about 256 keys).
-      seqs_per_block: sequences streamed by one program (default `min(B, 8)`).
-    Returns:
-      `[B, H, D]` in q's dtype.
-    """
+    scale,
+    sliding_window,
+    soft_cap,
+    interpret,
+    pages_per_chunk,
+    seqs_per_block,
+):  # [B, H, D]
     num_pages_per_seq = block_tables.shape[-1]
     _check_pages_and_options(
         q,
@@ -524,7 +583,8 @@ def tpu_paged_attention_decode(
     )
     _check_int32(block_tables=block_tables, kv_lens=kv_lens)
     batch, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
+    k_pages, v_pages, layer = _stacked(k_pages, v_pages, layer)
+    _, num_kv_heads, _, block_size, _ = k_pages.shape
     if block_tables.shape != (batch, num_pages_per_seq) or num_pages_per_seq < 1:
         raise ValueError(f"{block_tables.shape=} must be ({batch}, P >= 1)")
     if kv_lens.shape != (batch,):
@@ -555,7 +615,7 @@ def tpu_paged_attention_decode(
                 pages_per_seq=num_pages_per_seq,
             ),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=2,
+                num_scalar_prefetch=3,
                 grid=(num_kv_heads, padded // bb),
                 in_specs=[
                     q_spec,
@@ -569,8 +629,64 @@ def tpu_paged_attention_decode(
             out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
             name="tpu_paged_attention_decode",
         )
-        out = call(tables, lens, q4, k_pages, v_pages)  # [B_pad, KVH, G, D]
+        out = call(tables, lens, layer, q4, k_pages, v_pages)  # [B_pad, KVH, G, D]
     return out.reshape(padded, num_heads, head_dim)[:batch]
+
+
+def tpu_ragged_paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
+    v_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
+    block_tables: jax.Array,  # i32[S, P]
+    kv_lens: jax.Array,  # i32[S]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[] or i32[1]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    layer: int | jax.Array = 0,  # int or i32[]
+    interpret: bool = False,
+    pages_per_chunk: int | None = None,
+    queries_per_block: int | None = None,
+) -> jax.Array:  # [T, H, D]
+    """Ragged paged attention on TPU (prefill, chunked prefill, mixed prefill and decode).
+
+    Args:
+      q: `[T, H, D]` query rows; sequence s owns rows `cu_q_lens[s]:cu_q_lens[s+1]`.
+      k_pages, v_pages: `[L, KVH, N, bs, D]` the pages of all layers (or `[KVH, N, bs, D]`,
+        `L = 1`), the queries' own K/V written.
+      block_tables: `i32[S, P]`.
+      kv_lens: `i32[S]` cached tokens per sequence including this step's `q_len_s`; row j of
+        sequence s sits at position `kv_lens[s] - q_len_s + j` and sees keys `k <= pos`
+        (and `pos - k < sliding_window` with a window).
+      cu_q_lens: `i32[S+1]` nondecreasing query offsets, `cu_q_lens[0] == 0`.
+      num_seqs: `i32[]` or `i32[1]` live sequences; rows at or past `cu_q_lens[num_seqs]` give 0.
+      scale, sliding_window, soft_cap, layer, interpret, pages_per_chunk: as in the decode form.
+      queries_per_block: query rows per program, a multiple of 8 (default `min(64, T)` rounded
+        up to 16).
+    Returns:
+      `[T, H, D]` in q's dtype.
+    Raises:
+      ValueError: as in the decode form.
+    """
+    layer = check_layer(k_pages, layer)
+    return _ragged(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        layer,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+        pages_per_chunk=pages_per_chunk,
+        queries_per_block=queries_per_block,
+    )
 
 
 @functools.partial(
@@ -584,39 +700,23 @@ def tpu_paged_attention_decode(
         "queries_per_block",
     ),
 )
-def tpu_ragged_paged_attention(
-    q: jax.Array,  # [T, H, D]
-    k_pages: jax.Array,  # [KVH, N, bs, D]
-    v_pages: jax.Array,  # [KVH, N, bs, D]
-    block_tables: jax.Array,  # i32[S, P]
-    kv_lens: jax.Array,  # i32[S]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[] or i32[1]
+def _ragged(
+    q,  # [T, H, D]
+    k_pages,  # [L, KVH, N, bs, D] or [KVH, N, bs, D]
+    v_pages,  # like k_pages
+    block_tables,  # i32[S, P]
+    kv_lens,  # i32[S]
+    cu_q_lens,  # i32[S + 1]
+    num_seqs,  # i32[] or i32[1]
+    layer,  # int or i32[], checked
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    interpret: bool = False,
-    pages_per_chunk: int | None = None,
-    queries_per_block: int | None = None,
-) -> jax.Array:  # [T, H, D]
-    """Ragged paged attention on TPU (prefill, chunked prefill, mixed prefill and decode).
-
-    Args:
-      q: `[T, H, D]` query rows; sequence s owns rows `cu_q_lens[s]:cu_q_lens[s+1]`.
-      k_pages, v_pages: `[KVH, N, bs, D]` one layer's pages, the queries' own K/V written.
-      block_tables: `i32[S, P]`.
-      kv_lens: `i32[S]` cached tokens per sequence including this step's `q_len_s`; row j of
-        sequence s sits at position `kv_lens[s] - q_len_s + j` and sees keys `k <= pos`
-        (and `pos - k < sliding_window` with a window).
-      cu_q_lens: `i32[S+1]` nondecreasing query offsets, `cu_q_lens[0] == 0`.
-      num_seqs: `i32[]` or `i32[1]` live sequences; rows at or past `cu_q_lens[num_seqs]` give 0.
-      scale, sliding_window, soft_cap, interpret, pages_per_chunk: as in the decode form.
-      queries_per_block: query rows per program, a multiple of 8 (default `min(64, T)` rounded
-        up to 16).
-    Returns:
-      `[T, H, D]` in q's dtype.
-    """
+    scale,
+    sliding_window,
+    soft_cap,
+    interpret,
+    pages_per_chunk,
+    queries_per_block,
+):  # [T, H, D]
     num_slots, num_pages_per_seq = block_tables.shape
     _check_pages_and_options(
         q,
@@ -639,7 +739,8 @@ def tpu_ragged_paged_attention(
     if queries_per_block is not None and (queries_per_block < 8 or queries_per_block % 8):
         raise ValueError(f"{queries_per_block=} must be a positive multiple of 8")
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
+    k_pages, v_pages, layer = _stacked(k_pages, v_pages, layer)
+    _, num_kv_heads, _, block_size, _ = k_pages.shape
     if num_tokens == 0:
         return jnp.zeros_like(q)
 
@@ -662,7 +763,7 @@ def tpu_ragged_paged_attention(
                 pages_per_seq=num_pages_per_seq,
             ),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=4,
+                num_scalar_prefetch=5,
                 grid=(num_kv_heads, padded // bq),
                 in_specs=[
                     q_spec,
@@ -677,7 +778,14 @@ def tpu_ragged_paged_attention(
             name="tpu_ragged_paged_attention",
         )
         out = call(
-            block_tables.reshape(-1), kv_lens, cu_q_lens, num_seqs.reshape(1), q4, k_pages, v_pages
+            block_tables.reshape(-1),
+            kv_lens,
+            cu_q_lens,
+            num_seqs.reshape(1),
+            layer,
+            q4,
+            k_pages,
+            v_pages,
         )  # [KVH, G, T_pad, D]
     out = out.transpose(2, 0, 1, 3).reshape(padded, num_heads, head_dim)
     return out[:num_tokens]

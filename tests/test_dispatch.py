@@ -70,6 +70,48 @@ def test_ragged_routes_and_num_seqs_defaults_to_all(impl):
     np.testing.assert_array_equal(out[5], 0)
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla", "gpu"])
+def test_stacked_pages_read_through_the_layer_index(impl):
+    """Pages stacked over 3 layers, layer 1 picked by an int and by a traced scalar, equal the
+    same call on that layer's pages alone (both forms)."""
+    q, kp, vp, bt, kv = _inputs()
+    rng = np.random.default_rng(1)
+    ks = jnp.stack([jnp.asarray(rng.normal(size=kp.shape), kp.dtype), kp, -kp])
+    vs = jnp.stack([jnp.asarray(rng.normal(size=vp.shape), vp.dtype), vp, vp * 2])
+    cu = jnp.array([0, 1, 2, 3], jnp.int32)
+    for extra in ((), (cu,)):
+        want = paged_attention(q, kp, vp, bt, kv, *extra, scale=0.3, impl=impl, interpret=True)
+        got = paged_attention(
+            q, ks, vs, bt, kv, *extra, layer=1, scale=0.3, impl=impl, interpret=True
+        )
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+        @jax.jit
+        def traced(layer, extra=extra):
+            return paged_attention(
+                q, ks, vs, bt, kv, *extra, layer=layer, scale=0.3, impl=impl, interpret=True
+            )
+
+        np.testing.assert_allclose(traced(jnp.int32(1)), want, atol=2e-5, rtol=2e-5)
+        other = paged_attention(
+            q, ks[2], vs[2], bt, kv, *extra, scale=0.3, impl=impl, interpret=True
+        )
+        np.testing.assert_allclose(traced(jnp.int32(2)), other, atol=2e-5, rtol=2e-5)
+
+
+def test_layer_checks():
+    q, kp, vp, bt, kv = _inputs()
+    ks, vs = kp[None], vp[None]
+    with pytest.raises(ValueError, match="need a layer"):
+        paged_attention(q, ks, vs, bt, kv, scale=0.3)
+    with pytest.raises(ValueError, match=r"layer=1 must be in \[0, 1\)"):
+        paged_attention(q, ks, vs, bt, kv, layer=1, scale=0.3)
+    with pytest.raises(ValueError, match="layer=2 must be None or 0"):
+        paged_attention(q, kp, vp, bt, kv, layer=2, scale=0.3)
+    with pytest.raises(ValueError, match="must be an int or an integer scalar"):
+        paged_attention(q, ks, vs, bt, kv, layer=jnp.zeros(2, jnp.int32), scale=0.3)
+
+
 def test_under_jit_with_traced_lengths_and_num_seqs():
     q, kp, vp, bt, kv = _inputs()
     cu = jnp.array([0, 1, 2, 3], jnp.int32)
@@ -103,7 +145,7 @@ def test_tpu_is_imported_lazily_and_gets_the_contract_arguments(monkeypatch):
     paged_attention(
         q, kp, vp, bt, kv, jnp.arange(4, dtype=jnp.int32), impl="tpu", scale=0.5, interpret=True
     )
-    common = dict(scale=0.5, soft_cap=None)
+    common = dict(layer=0, scale=0.5, soft_cap=None)
     assert calls == [
         ("decode", 5, dict(common, sliding_window=4, interpret=False)),
         ("ragged", 7, dict(common, sliding_window=None, interpret=True)),

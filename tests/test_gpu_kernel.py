@@ -6,9 +6,16 @@ an idle sequence, padding rows and a dead slot. Tables are shuffled, share a pre
 null block holds NaN. The parameter grids cover every axis (block size, GQA ratio, head dim,
 dtype, window, soft cap, splits, query block) without taking their product.
 
+The layer tests stack the pages of ``NUM_LAYERS`` layers (``[L, KVH, N, bs, D]``) with the case's
+pages at layer 1, NaN at layer 0 and other random data at layer 2, and check the kernels at
+``layer=1`` (a Python int, and traced under `jax.jit` / as a `lax.scan` counter) against the
+reference on the case's one-layer pages: reading a neighbouring layer shows up as NaN or as a
+wrong value.
+
 `test_triton_lowering` lowers the kernels through Pallas's Triton backend for CUDA without a
 GPU (jax.export), which catches what the interpreter does not check: non-power-of-2 shapes,
-primitives the Triton lowering lacks.
+primitives the Triton lowering lacks; with stacked pages and a traced layer it also checks that
+the whole stacked array reaches the Triton call (no layer slice is copied out first).
 """
 
 from __future__ import annotations
@@ -35,6 +42,33 @@ except ImportError:  # tests/ imported as a package
 
 INTERPRET = True
 LONG = 517  # > 500 tokens
+NUM_LAYERS = 3
+LAYER = 1
+
+
+def stack_layers(rng, pages):
+    """``pages`` ``[KVH, N, bs, D]`` as layer `LAYER` of ``[NUM_LAYERS, KVH, N, bs, D]``.
+
+    Layer 0 is NaN and layer 2 other random data, so a read of the wrong layer is seen.
+    """
+    layers = [
+        jnp.full_like(pages, jnp.nan),
+        pages,
+        jnp.asarray(rng.normal(scale=3.0, size=pages.shape), pages.dtype),
+    ]
+    return jnp.stack(layers)
+
+
+def traced_layer(fn, **kw):
+    """``fn`` under `jax.jit` with the layer a traced ``i32[]`` first argument."""
+
+    @jax.jit
+    def run(layer, *args):
+        assert isinstance(layer, jax.core.Tracer)
+        return fn(*args, layer=layer, **kw)
+
+    return lambda *args: run(jnp.int32(LAYER), *args)
+
 
 # bs, kvh, group, head_dim, dtype, window, cap, tuning
 DECODE_CASES = [
@@ -62,6 +96,85 @@ def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, 
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     np.testing.assert_array_equal(out[0], 0)  # kv_len 0
     np.testing.assert_allclose(out.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "bs,kvh,group,head_dim,dtype,window,cap,tuning", [DECODE_CASES[1], DECODE_CASES[4]]
+)
+def test_decode_stacked_layers(bs, kvh, group, head_dim, dtype, window, cap, tuning):
+    """Stacked ``[L, KVH, N, bs, D]`` pages at layer 1, as an int and traced, vs the reference."""
+    rng = np.random.default_rng(bs + 10 * group)
+    lens = [0, 1, bs - 1, bs, bs + 1, LONG]
+    case = make_paged_case(
+        rng, lens, block_size=bs, num_kv_heads=kvh, head_dim=head_dim, dtype=dtype, null_fill=np.nan
+    )
+    q, _ = rand_q(rng, (len(lens), kvh * group, head_dim), dtype)
+    kw = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
+    ref = paged_attention_decode_reference(
+        q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens, **kw
+    )
+    args = (
+        q,
+        stack_layers(rng, case.k_pages),
+        stack_layers(rng, case.v_pages),
+        case.block_tables,
+        case.kv_lens,
+    )
+    kw.update(interpret=INTERPRET, **tuning)
+    out = gpu_paged_attention_decode(*args, layer=LAYER, **kw)
+    out_traced = traced_layer(gpu_paged_attention_decode, **kw)(*args)
+    for o in (out, out_traced):
+        assert o.shape == q.shape and o.dtype == dtype
+        assert np.all(np.isfinite(np.asarray(o, np.float32)))
+        np.testing.assert_allclose(o.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
+    np.testing.assert_array_equal(out_traced, out)
+
+
+def test_decode_layers_in_scan():
+    """A `lax.scan` over the layers (the engine's loop): its counter picks each layer's pages."""
+    rng = np.random.default_rng(5)
+    bs, kvh, group, d = 16, 2, 2, 64
+    lens = [1, bs + 1, 70]
+    case = make_paged_case(rng, lens, block_size=bs, num_kv_heads=kvh, head_dim=d, null_fill=np.nan)
+    tables, kv_lens = case.block_tables, case.kv_lens
+    shape = (NUM_LAYERS - 1, *case.k_pages.shape)  # other layers: other K/V, same tables
+    k = jnp.concatenate([case.k_pages[None], jnp.asarray(rng.normal(size=shape), jnp.float32)])
+    v = jnp.concatenate([case.v_pages[None], jnp.asarray(rng.normal(size=shape), jnp.float32)])
+    q, _ = rand_q(rng, (NUM_LAYERS, len(lens), kvh * group, d), jnp.float32)
+
+    @jax.jit
+    def all_layers(q, k, v):
+        def step(_, layer):
+            out = gpu_paged_attention_decode(
+                q[layer], k, v, tables, kv_lens, scale=0.1, layer=layer, interpret=INTERPRET
+            )
+            return None, out
+
+        return jax.lax.scan(step, None, jnp.arange(NUM_LAYERS, dtype=jnp.int32))[1]
+
+    out = all_layers(q, k, v)  # [L, B, H, D]
+    for layer in range(NUM_LAYERS):
+        ref = paged_attention_decode_reference(
+            q[layer], k[layer], v[layer], tables, kv_lens, scale=0.1
+        )
+        np.testing.assert_allclose(out[layer], ref, **TOL[jnp.float32])
+
+
+def test_rejects_bad_layer():
+    q = jnp.zeros((2, 4, 64))
+    pages = jnp.zeros((NUM_LAYERS, 2, 5, 16, 64))
+    tables, lens = jnp.zeros((2, 3), jnp.int32), jnp.ones((2,), jnp.int32)
+    decode = functools.partial(gpu_paged_attention_decode, scale=1.0, interpret=INTERPRET)
+    for layer in (-1, NUM_LAYERS, np.int64(NUM_LAYERS), True, jnp.float32(1), jnp.zeros(2, int)):
+        with pytest.raises(ValueError, match="layer"):
+            decode(q, pages, pages, tables, lens, layer=layer)
+    with pytest.raises(ValueError, match="layer"):  # one layer's pages: only layer 0
+        decode(q, pages[0], pages[0], tables, lens, layer=1)
+    with pytest.raises(ValueError, match="k_pages"):
+        decode(q, pages[None], pages[None], tables, lens)
+    cu, n = jnp.array([0, 1, 2], jnp.int32), jnp.int32(2)
+    with pytest.raises(ValueError, match="layer"):
+        gpu_ragged_paged_attention(q, pages, pages, tables, lens, cu, n, scale=1.0, layer=3)
 
 
 # bs, kvh, group, head_dim, dtype, window, cap, tuning
@@ -101,6 +214,38 @@ def test_ragged_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, 
     np.testing.assert_allclose(out.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    "bs,kvh,group,head_dim,dtype,window,cap,tuning", [RAGGED_CASES[1], RAGGED_CASES[2]]
+)
+def test_ragged_stacked_layers(bs, kvh, group, head_dim, dtype, window, cap, tuning):
+    """Stacked ``[L, KVH, N, bs, D]`` pages at layer 1, as an int and traced, vs the reference."""
+    rng = np.random.default_rng(100 + bs + group)
+    kv_lens, q_lens, num_seqs, rows = mixed_batch(bs)
+    case = make_paged_case(
+        rng,
+        kv_lens,
+        block_size=bs,
+        num_kv_heads=kvh,
+        head_dim=head_dim,
+        dtype=dtype,
+        null_fill=np.nan,
+    )
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q, _ = rand_q(rng, (rows, kvh * group, head_dim), dtype)
+    tail = (case.block_tables, case.kv_lens, jnp.asarray(cu), jnp.int32(num_seqs))
+    kw = dict(scale=0.15, sliding_window=window, soft_cap=cap)
+    ref = ragged_paged_attention_reference(q, case.k_pages, case.v_pages, *tail, **kw)
+    args = (q, stack_layers(rng, case.k_pages), stack_layers(rng, case.v_pages), *tail)
+    kw.update(interpret=INTERPRET, **tuning)
+    out = gpu_ragged_paged_attention(*args, layer=LAYER, **kw)
+    out_traced = traced_layer(gpu_ragged_paged_attention, **kw)(*args)
+    for o in (out, out_traced):
+        assert o.shape == q.shape and o.dtype == dtype
+        assert np.all(np.isfinite(np.asarray(o, np.float32)))
+        np.testing.assert_allclose(o.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
+    np.testing.assert_array_equal(out_traced, out)
+
+
 def test_ragged_decode_step_and_long_prefill_chunk():
     """T <= S (a pure decode step, block_q defaults to 1), then one long prefill in chunks."""
     rng = np.random.default_rng(11)
@@ -125,25 +270,29 @@ def test_ragged_decode_step_and_long_prefill_chunk():
 
 
 @pytest.mark.parametrize(
-    "form,dtype,window,cap",
+    "form,dtype,window,cap,stacked",
     [
-        ("decode", jnp.bfloat16, None, None),
-        ("decode", jnp.float32, 64, 30.0),
-        ("ragged", jnp.bfloat16, 128, 50.0),
-        ("ragged", jnp.float16, None, None),
+        ("decode", jnp.bfloat16, None, None, True),
+        ("decode", jnp.float32, 64, 30.0, False),
+        ("ragged", jnp.bfloat16, 128, 50.0, True),
+        ("ragged", jnp.float16, None, None, False),
     ],
 )
-def test_triton_lowering(form, dtype, window, cap):
-    """Lowers for CUDA (an H200) through the Triton backend on this CPU-only machine."""
+def test_triton_lowering(form, dtype, window, cap, stacked):
+    """Lowers for CUDA (an H200) through the Triton backend on this CPU-only machine.
+
+    ``stacked``: ``[L, KVH, N, bs, D]`` pages and a traced layer (the engine's call), else one
+    layer's ``[KVH, N, bs, D]``.
+    """
     b, h, kvh, d, n, bs, p = 7, 36, 4, 128, 257, 16, 33  # odd sizes: only values need 2^k
     sds = jax.ShapeDtypeStruct
-    pages = sds((kvh, n, bs, d), dtype)
+    pages_shape = (NUM_LAYERS, kvh, n, bs, d) if stacked else (kvh, n, bs, d)
+    pages = sds(pages_shape, dtype)
     kw = dict(scale=d**-0.5, sliding_window=window, soft_cap=cap)
+    kernel = gpu_paged_attention_decode if form == "decode" else gpu_ragged_paged_attention
     if form == "decode":
-        fn = functools.partial(gpu_paged_attention_decode, **kw)
         args = (sds((b, h, d), dtype), pages, pages, sds((b, p), jnp.int32), sds((b,), jnp.int32))
     else:
-        fn = functools.partial(gpu_ragged_paged_attention, **kw)
         t = 300
         args = (
             sds((t, h, d), dtype),
@@ -154,6 +303,14 @@ def test_triton_lowering(form, dtype, window, cap):
             sds((b + 1,), jnp.int32),
             sds((), jnp.int32),
         )
+    if stacked:
+
+        def fn(*args):  # the last argument is the traced layer
+            return kernel(*args[:-1], layer=args[-1], **kw)
+
+        args = (*args, sds((), jnp.int32))
+    else:
+        fn = functools.partial(kernel, **kw)
     # jax >= 0.11 reads the target GPU from the abstract mesh when no GPU is attached.
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
@@ -163,4 +320,12 @@ def test_triton_lowering(form, dtype, window, cap):
             platforms=["cuda"],
             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(*args)
-    assert "xla.gpu.triton" in exported.mlir_module()
+    text = exported.mlir_module()
+    assert "xla.gpu.triton" in text
+    # The Triton call's operand types: both page arrays go in whole, the stacked ones included.
+    call = next(ln for ln in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in ln)
+    operand_types = call.rsplit("} : (", 1)[1].split(") -> ", 1)[0]
+    element = {jnp.float32: "f32", jnp.bfloat16: "bf16", jnp.float16: "f16"}[dtype]
+    stacked_shape = pages_shape if stacked else (1, *pages_shape)  # one layer: L = 1
+    pages_type = "tensor<" + "x".join(map(str, stacked_shape)) + f"x{element}>"
+    assert operand_types.count(pages_type) == 2, operand_types

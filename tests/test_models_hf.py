@@ -125,7 +125,7 @@ def test_bfloat16(tiny_hf, loaded):
     hf_model, _ = tiny_hf("mistral_window")
     lm = loaded("mistral_window", jnp.bfloat16)
     assert lm.model.embed_tokens.embedding.dtype == jnp.bfloat16
-    assert lm.model.layers[0].self_attn.q_proj.kernel.dtype == jnp.bfloat16
+    assert lm.model.layers.self_attn.q_proj.kernel.dtype == jnp.bfloat16
     prompts = _prompts(256)
     ours = logits_of(lm.model, jnp.asarray(right_pad(prompts)))
     assert ours.dtype == jnp.float32
@@ -172,7 +172,7 @@ def test_orbax_checkpoint_roundtrip(loaded, tmp_path):
     tokens = jnp.asarray(right_pad(_prompts(256)))
     np.testing.assert_array_equal(logits_of(back.model, tokens), logits_of(lm.model, tokens))
     bf16 = models.load(tmp_path / "ckpt", dtype=jnp.bfloat16)
-    assert bf16.model.layers[1].mlp.up_proj.kernel.dtype == jnp.bfloat16
+    assert bf16.model.layers.mlp.up_proj.kernel.dtype == jnp.bfloat16
 
 
 def test_gguf_from_tiny_llama(tiny_hf, tmp_path):
@@ -212,13 +212,18 @@ def test_attention_function_contract(loaded):
             q, k, v, scale=c.scale, q_positions=positions, k_positions=positions,
             sliding_window=c.sliding_window,
         )  # fmt: skip
-        return out, kv + 1
+        return out, kv.at[layer].add(layer + 1)
 
-    # `seen` fills while tracing, once per layer call.
-    logits, kv = nnx.jit(lambda m, t, p: m.forward(t, p, attn, 0))(lm.model, tokens, positions)
-    assert kv == c.num_layers
+    # The layers are scanned: `seen` fills once while tracing, with the layer index traced
+    # (i32[]), and kv (here i32[L]) travels in the scan carry.
+    kv0 = jnp.zeros((c.num_layers,), jnp.int32)
+    logits, kv = nnx.jit(lambda m, t, p: m.forward(t, p, attn, kv0))(lm.model, tokens, positions)
+    np.testing.assert_array_equal(kv, np.arange(1, c.num_layers + 1))  # layer i called once
     hd = c.head_dim
-    assert seen == [(i, (b, t, 6, hd), (b, t, 2, hd), (b, t, 2, hd)) for i in range(c.num_layers)]
+    assert len(seen) == 1
+    layer, *shapes = seen[0]
+    assert layer.shape == () and layer.dtype == jnp.int32
+    assert shapes == [(b, t, 6, hd), (b, t, 2, hd), (b, t, 2, hd)]
     np.testing.assert_allclose(logits, logits_of(lm.model, tokens), atol=1e-6)
 
 
@@ -228,8 +233,8 @@ def test_chunked_prefill_with_cache_attention(loaded):
     c = lm.config
     tokens = jnp.asarray(right_pad(_prompts(256)))[:, :20]
     b = tokens.shape[0]
-    shape = (b, 32, c.num_kv_heads, c.head_dim)
-    kv = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(c.num_layers)]
+    shape = (c.num_layers, b, 32, c.num_kv_heads, c.head_dim)
+    kv = (jnp.zeros(shape), jnp.zeros(shape))
     outs = []
 
     @nnx.jit

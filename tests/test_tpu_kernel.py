@@ -6,6 +6,10 @@ chunk, full prefills, decode tokens, an empty sequence, a slot past `num_seqs` a
 Block tables are shuffled and share blocks between sequences, and every page slot that holds no
 token (the null block 0, the tails of partial pages, unused blocks) is NaN, so any read that is
 not masked by length shows up in the output.
+
+The layer tests stack `NUM_LAYERS` layers of pages (`[L, KVH, N, bs, D]`) with the case's pages at
+layer 1, NaN at layer 0 and other random data at layer 2, and run the kernels at `layer=1` (an
+int, and a traced `i32[]` under `jax.jit`) against the reference on the case's one-layer pages.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pallas_kernels.tpu_paged_attention import (
 
 LONG = 150  # a context of many pages (several chunks at every block size below)
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # atol == rtol
+NUM_LAYERS = 3
+LAYER = 1
 
 
 def _tables_and_pages(rng, lens, *, bs, num_kv_heads, head_dim, dtype, share=()):
@@ -55,6 +61,26 @@ def _tables_and_pages(rng, lens, *, bs, num_kv_heads, head_dim, dtype, share=())
             k[:, block, offset] = rng.standard_normal((num_kv_heads, head_dim))
             v[:, block, offset] = rng.standard_normal((num_kv_heads, head_dim))
     return jnp.asarray(tables), jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+
+
+def _stack_layers(rng, pages):
+    """`pages` `[KVH, N, bs, D]` as layer `LAYER` of `[NUM_LAYERS, KVH, N, bs, D]`.
+
+    Layer 0 is NaN and layer 2 other random data, so a copy from the wrong layer is seen.
+    """
+    other = jnp.asarray(rng.standard_normal(pages.shape), pages.dtype)
+    return jnp.stack([jnp.full_like(pages, jnp.nan), pages, other])
+
+
+def _with_traced_layer(fn, **kw):
+    """`fn` under `jax.jit` with the layer a traced `i32[]` argument (set to `LAYER`)."""
+
+    @jax.jit
+    def run(layer, *args):
+        assert isinstance(layer, jax.core.Tracer)
+        return fn(*args, layer=layer, **kw)
+
+    return lambda *args: run(jnp.int32(LAYER), *args)
 
 
 def _assert_close(out, ref, dtype):
@@ -108,6 +134,20 @@ def test_decode_window_and_soft_cap(sliding_window, soft_cap):
     _assert_close(out, ref, jnp.float32)
     plain = paged_attention_decode_reference(q, k, v, tables, lens, scale=0.125)
     assert not np.allclose(np.asarray(ref), np.asarray(plain), atol=1e-3)  # the option matters
+
+
+def test_decode_stacked_layers():
+    """`[L, KVH, N, bs, D]` pages at layer 1, an int and traced, match the reference on layer 1."""
+    q, k, v, tables, lens = _decode_case(2, dtype=jnp.float32, group=2, bs=16, head_dim=128)
+    rng = np.random.default_rng(2)
+    kw = dict(scale=0.125, sliding_window=40)
+    ref = paged_attention_decode_reference(q, k, v, tables, lens, **kw)
+    args = (q, _stack_layers(rng, k), _stack_layers(rng, v), tables, lens)
+    kw.update(interpret=True, pages_per_chunk=2, seqs_per_block=4)
+    out = tpu_paged_attention_decode(*args, layer=LAYER, **kw)
+    _assert_close(out, ref, jnp.float32)
+    traced = _with_traced_layer(tpu_paged_attention_decode, **kw)(*args)
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,16 +215,35 @@ def test_ragged_window_and_soft_cap(sliding_window, soft_cap):
     assert not np.allclose(np.asarray(ref), np.asarray(plain), atol=1e-3)  # the option matters
 
 
+def test_ragged_stacked_layers():
+    """`[L, KVH, N, bs, D]` pages at layer 1, an int and traced, match the reference on layer 1."""
+    args, live = _ragged_case(2, dtype=jnp.bfloat16, group=2, bs=8, head_dim=128)
+    q, k, v, *tail = args
+    rng = np.random.default_rng(2)
+    kw = dict(scale=0.125, soft_cap=20.0)
+    ref = ragged_paged_attention_reference(*args, **kw)
+    args = (q, _stack_layers(rng, k), _stack_layers(rng, v), *tail)
+    kw.update(interpret=True, pages_per_chunk=2, queries_per_block=16)
+    out = tpu_ragged_paged_attention(*args, layer=LAYER, **kw)
+    _assert_close(out, ref, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out[live:], np.float32), 0.0)  # padding rows
+    traced = _with_traced_layer(tpu_ragged_paged_attention, **kw)(*args)
+    np.testing.assert_array_equal(np.asarray(traced, np.float32), np.asarray(out, np.float32))
+
+
 # ---------------------------------------------------------------------------------------------
 # Lowering to Mosaic TPU (no TPU needed).
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernels_lower_for_tpu(dtype):
+@pytest.mark.parametrize(
+    "dtype, stacked", [(jnp.float32, False), (jnp.float32, True), (jnp.bfloat16, True)]
+)
+def test_kernels_lower_for_tpu(dtype, stacked):
     """The Pallas -> Mosaic lowering, which the interpreter skips, accepts both kernels.
 
     This catches ops without a Mosaic lowering rule (a traced `//` once needed the TPU
-    generation); Mosaic's own layout passes still need a real TPU.
+    generation); Mosaic's own layout passes still need a real TPU. `stacked`: the pages of
+    `NUM_LAYERS` layers and a traced layer (the engine's call), else one layer's pages.
     """
     q, k, v, tables, lens = _decode_case(0, dtype=dtype, group=4, bs=16, head_dim=128)
     ragged_args, _ = _ragged_case(0, dtype=dtype, group=4, bs=16, head_dim=128)
@@ -193,9 +252,26 @@ def test_kernels_lower_for_tpu(dtype):
         (tpu_paged_attention_decode, (q, k, v, tables, lens)),
         (tpu_ragged_paged_attention, ragged_args),
     ]:
-        lowered = jax.jit(functools.partial(fn, **kw)).trace(*args)
+        if stacked:
+            k_pages = jnp.broadcast_to(args[1], (NUM_LAYERS, *args[1].shape))
+            args = (args[0], k_pages, k_pages, *args[3:], jnp.int32(LAYER))
+
+            def call(*args, fn=fn):  # the last argument is the traced layer
+                return fn(*args[:-1], layer=args[-1], **kw)
+
+        else:
+            call = functools.partial(fn, **kw)
+        lowered = jax.jit(call).trace(*args)
         text = lowered.lower(lowering_platforms=("tpu",)).as_text()
         assert "tpu_custom_call" in text
+        # Both page arrays reach the kernel whole (`[L, ...]`; one layer is `[1, ...]`): no layer
+        # slice is copied out before the call.
+        line = next(ln for ln in text.splitlines() if "custom_call @tpu_custom_call" in ln)
+        operand_types = line.rsplit("} : (", 1)[1].split(") -> ", 1)[0]
+        shape = args[1].shape if stacked else (1, *args[1].shape)
+        element = {jnp.float32: "f32", jnp.bfloat16: "bf16"}[dtype]
+        pages_type = "tensor<" + "x".join(map(str, shape)) + f"x{element}>"
+        assert operand_types.count(pages_type) == 2, operand_types
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +315,22 @@ def test_decode_rejects_bad_arguments():
         call(q, pages, pages, tables, lens, scale=1.0, soft_cap=-1.0)
     with pytest.raises(ValueError, match="pages_per_chunk"):
         call(q, pages, pages, tables, lens, scale=1.0, pages_per_chunk=3)
+
+
+def test_rejects_bad_layer():
+    q, pages, tables, lens = _small()
+    stacked = jnp.stack([pages] * NUM_LAYERS)
+    call = functools.partial(tpu_paged_attention_decode, scale=1.0, interpret=True)
+    for layer in (-1, NUM_LAYERS, np.int64(NUM_LAYERS), True, jnp.float32(1), jnp.zeros(2, int)):
+        with pytest.raises(ValueError, match="layer"):
+            call(q, stacked, stacked, tables, lens, layer=layer)
+    with pytest.raises(ValueError, match="layer"):  # one layer's pages: only layer 0
+        call(q, pages, pages, tables, lens, layer=1)
+    with pytest.raises(ValueError, match="k_pages"):
+        call(q, stacked[None], stacked[None], tables, lens)
+    cu, n = jnp.array([0, 1, 2, 3], jnp.int32), jnp.int32(3)
+    with pytest.raises(ValueError, match="layer"):
+        tpu_ragged_paged_attention(q, stacked, stacked, tables, lens, cu, n, scale=1.0, layer=3)
 
 
 def test_ragged_rejects_bad_arguments():

@@ -51,8 +51,11 @@ def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, 
     np.testing.assert_allclose(out.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
 
 
+@pytest.mark.parametrize("block_q", [None, 1, 3, 16])
 @pytest.mark.parametrize("bs,kvh,group,head_dim,dtype,window,cap,chunk", CASES)
-def test_ragged_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, chunk):
+def test_ragged_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, chunk, block_q):
+    """Every query-block size (None: the default for the shape) gives the reference's rows:
+    blocks split sequences, padding blocks and rows, empty sequences, garbage past num_seqs."""
     rng = np.random.default_rng(100 + bs + group)
     kv_lens, q_lens, num_seqs, rows = mixed_batch(bs)
     case = make_paged_case(
@@ -69,7 +72,9 @@ def test_ragged_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, 
     q, _ = rand_q(rng, (rows, kvh * group, head_dim), dtype)
     args = (q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens, jnp.asarray(cu))
     kw = dict(scale=0.15, sliding_window=window, soft_cap=cap)
-    out = xla_ragged_paged_attention(*args, jnp.int32(num_seqs), pages_per_chunk=chunk, **kw)
+    out = xla_ragged_paged_attention(
+        *args, jnp.int32(num_seqs), pages_per_chunk=chunk, block_q=block_q, **kw
+    )
     ref = ragged_paged_attention_reference(*args, jnp.int32(num_seqs), **kw)
     assert out.shape == q.shape and out.dtype == dtype
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
