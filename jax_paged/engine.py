@@ -15,6 +15,7 @@ the device at the start of the next call (``free_mask``), before that call reser
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -112,8 +113,19 @@ class EngineConfig:
             )
 
 
+# Smallest padded sizes of the compiled steps. Below them a step costs about the same (the
+# weights are read once whatever the batch), so smaller buckets would only add variants.
+_MIN_TOKENS = 32
+_MIN_DECODE_ROWS = 8
+
+
 def _pow2_at_least(x: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, math.ceil(math.log2(max(x, 1)))))
+
+
+def _program_name(ckey: tuple) -> str:
+    """A compiled variant's name for the metrics: its kind and bucket key, e.g. 'decode(8, 0)'."""
+    return f"{ckey[0]}{ckey[1:]}" if len(ckey) > 1 else ckey[0]
 
 
 def _param_bytes(params) -> int:
@@ -219,6 +231,8 @@ class LLMEngine:
         self.caching = config.enable_prefix_caching
         self._compiled: dict[tuple, Any] = {}
         self._compile_seconds = 0.0
+        self._compile_by_program: dict[str, float] = {}
+        self._seconds_by_kind: dict[str, float] = {}  # time inside compiled calls, per kind
         self._start = time.perf_counter()
         self._stats = dict(
             num_requests=0,
@@ -232,6 +246,7 @@ class LLMEngine:
             peak_kv_usage=0.0,
             device_seconds=0.0,
             compiled_seconds=0.0,
+            decode_loop_tokens=0,
             prefix_cache_queries=0,
             prefix_cache_hits=0,
             logical_block_steps=0,
@@ -443,15 +458,18 @@ class LLMEngine:
             logger.debug("%s: traced in %.1fs, compiled in %.1fs", kind, t1 - t0, dt - (t1 - t0))
             self._compile_seconds += dt
             self._compiled[ckey] = compiled
+            self._compile_by_program[_program_name(ckey)] = dt
             logger.info("compiled %s %s in %.1fs", kind, key, dt)
         t0 = time.perf_counter()
         out = jax.block_until_ready(compiled(*args))
-        self._stats["compiled_seconds"] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self._stats["compiled_seconds"] += dt
+        self._seconds_by_kind[kind] = self._seconds_by_kind.get(kind, 0.0) + dt
         return out
 
     def _init_rows(self, seqs: list[Sequence], counts_only: bool = False) -> None:
         """Sets the sampling history of newly admitted sequences' slots."""
-        m = _pow2_at_least(len(seqs))
+        m = _pow2_at_least(max(len(seqs), self.max_num_seqs))  # one shape: one compiled variant
         slots = np.full(m, -1, np.int32)
         for i, s in enumerate(seqs):
             slots[i] = s.slot
@@ -463,12 +481,16 @@ class LLMEngine:
             for i, s in enumerate(seqs):
                 prompt[i, : len(s.prompt_token_ids)] = s.prompt_token_ids
                 out[i, : len(s.output_token_ids)] = s.output_token_ids
-            self.state = _set_rows_tracked(self.state, slots, prompt, out)
+            args = (self.state.sampling, slots, prompt, out)
+            samp = self._call("set_rows", _set_rows_tracked, (m, lp, lo), args, {})
+            self.state = self.state.replace(sampling=samp)
         else:
             n_out = np.zeros(m, np.int32)
             for i, s in enumerate(seqs):
                 n_out[i] = len(s.output_token_ids)
-            self.state = _set_rows_untracked(self.state, slots, n_out)
+            args = (self.state.sampling, slots, n_out)
+            samp = self._call("set_rows", _set_rows_untracked, (m,), args, {})
+            self.state = self.state.replace(sampling=samp)
 
     def _free_mask(self) -> np.ndarray:
         mask = np.zeros(self.max_num_seqs, bool)
@@ -488,7 +510,7 @@ class LLMEngine:
             stop_width=_pow2_at_least(
                 max((len(s.params.stop_token_ids or []) for s in seqs if s), default=0)
                 + len(self.eos_token_ids),
-                4,
+                8,  # one bucket for every request with up to 8 stop ids (EOS included)
             ),
         )
 
@@ -622,9 +644,11 @@ class LLMEngine:
 
     def _run_mixed(self, sched, progressed) -> None:
         chunks = sched.chunks
-        t = _pow2_at_least(sched.num_tokens, 16)
-        t = min(t, _pow2_at_least(self.max_num_batched_tokens, 16))
-        b = min(_pow2_at_least(len(chunks), 4), _pow2_at_least(self.max_num_seqs, 4))
+        t = _pow2_at_least(sched.num_tokens, _MIN_TOKENS)
+        t = min(t, _pow2_at_least(self.max_num_batched_tokens, _MIN_TOKENS))
+        # Rows follow tokens (each row has >= 1 token), so one bucket axis: t in 16, 32, ...,
+        # max_num_batched_tokens, b = min(t, max_num_seqs) rows (the LM head runs on b rows).
+        b = min(t, _pow2_at_least(self.max_num_seqs, 4))
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         token_row = np.full(t, -1, np.int32)
@@ -669,18 +693,14 @@ class LLMEngine:
         seqs = [c.seq for c in chunks] + [None] * (b - len(chunks))
         tensors = self._tensors(seqs, b)
         ntop = self._num_top(c.seq for c in chunks)
-        plp_k = -1
-        if want_plp:
-            plp_k = max(c.seq.params.prompt_logprobs or 0 for c in chunks)
-        greedy = all(c.seq.params.is_greedy for c in chunks)
+        plp_k = self.config.max_logprobs if want_plp else -1  # one variant, sliced on the host
         static = dict(
             graphdef=self.graphdef,
             opts=self.opts,
             num_top_logprobs=ntop,
             prompt_logprobs_k=plp_k,
-            greedy_only=greedy,
         )
-        key = (t, b, ntop, plp_k, greedy, self._track_key(), tensors.stop_token_ids.shape[1])
+        key = (t, b, ntop, plp_k, self._track_key(), tensors.stop_token_ids.shape[1])
         args = (self.params, self.state, batch, tensors, self.key)
         self.state, out = self._call("mixed", runner.mixed_step, key, args, static)
         out = jax.device_get(out)
@@ -717,7 +737,7 @@ class LLMEngine:
 
     def _run_decode_loop(self, sched, progressed) -> None:
         seqs = [c.seq for c in sched.chunks]
-        b = _pow2_at_least(len(seqs), 4)
+        b = min(_pow2_at_least(len(seqs), _MIN_DECODE_ROWS), _pow2_at_least(self.max_num_seqs))
         remaining = max(
             min(s.max_tokens - len(s.output_token_ids), self.max_model_len - s.num_tokens)
             for s in seqs
@@ -737,15 +757,13 @@ class LLMEngine:
         tensors = self._tensors(seqs + [None] * (b - len(seqs)), b)
         ntop = self._num_top(seqs)
         max_steps = self.config.max_decode_steps
-        greedy = all(s.params.is_greedy for s in seqs)
         static = dict(
             graphdef=self.graphdef,
             opts=self.opts,
             max_steps=max_steps,
             num_top_logprobs=ntop,
-            greedy_only=greedy,
         )
-        key = (b, ntop, greedy, self._track_key(), tensors.stop_token_ids.shape[1])
+        key = (b, ntop, self._track_key(), tensors.stop_token_ids.shape[1])
         args = (
             self.params,
             self.state,
@@ -761,6 +779,7 @@ class LLMEngine:
         out = jax.device_get(out)
         self.scheduler.num_free_blocks = int(out.num_free)
         n = int(out.num_steps)
+        self._stats["decode_loop_tokens"] += int(np.sum(out.tokens[:n] >= 0))
         self._account_sharing(
             [q.num_computed + int(np.sum(out.tokens[:n, r] >= 0)) for r, q in enumerate(seqs)]
         )
@@ -794,10 +813,13 @@ class LLMEngine:
     def _track_key(self) -> bool:
         return self.state.sampling.tracks_tokens
 
-    @staticmethod
-    def _num_top(seqs) -> int:
-        n = max((s.params.logprobs or 0 for s in seqs), default=0)
-        return 0 if n == 0 else _pow2_at_least(n, 1)
+    def _num_top(self, seqs) -> int:
+        """Top log-probs every program returns per row: always max_logprobs, so requests with
+        and without logprobs share one compiled variant. The device computes them only when a
+        row asks (a runtime `lax.cond` on ``SamplingTensors.num_logprobs``); the host keeps
+        each request's own count."""
+        del seqs
+        return self.config.max_logprobs
 
     # -- host bookkeeping ------------------------------------------------------------------
     def _decode_token(self, t: int) -> str | None:
@@ -941,6 +963,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             compiled_variants=len(self._compiled),
             compile_seconds=self._compile_seconds,
+            compile_seconds_by_program=dict(self._compile_by_program),
+            compiled_seconds_by_kind=dict(self._seconds_by_kind),
             elapsed_seconds=elapsed,
             generation_tokens_per_s=self._stats["generated_tokens"] / max(elapsed, 1e-9),
             prefix_cache_hit_rate=self._stats["prefix_cache_hits"]
@@ -972,18 +996,19 @@ class LLMEngine:
         )
 
 
-@jax.jit
-def _set_rows_untracked(state: runner.DeviceState, slots, n_out):
-    s = state.sampling
+# These take the sampling state alone, donated: handing them the whole device state would copy
+# the KV pool on every admission (a jitted function's outputs cannot alias undonated inputs).
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_rows_untracked(s: sampling.SamplingState, slots, n_out):
     b = s.num_generated.shape[0]
     idx = jnp.where((slots >= 0) & (slots < b), slots, b)
     ng = s.num_generated.at[idx].set(n_out, mode="drop")
-    return state.replace(sampling=dataclasses.replace(s, num_generated=ng))
+    return dataclasses.replace(s, num_generated=ng)
 
 
-@jax.jit
-def _set_rows_tracked(state: runner.DeviceState, slots, prompt, out):
-    return state.replace(sampling=sampling.set_rows(state.sampling, slots, prompt, out))
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_rows_tracked(s: sampling.SamplingState, slots, prompt, out):
+    return sampling.set_rows(s, slots, prompt, out)
 
 
 __all__ = ["EngineConfig", "LLMEngine", "Seq"]

@@ -83,6 +83,8 @@ class SamplingTensors:
       has_seed: bool[B].
       request_uid: u32[B]; engine-unique id of the row's sequence, folded into the engine key
         for rows without a seed.
+      num_logprobs: i32[B]; top log-probs the row asks for (0: none). The top-N of a batch
+        (N static) is computed only when some row asks, so one compiled program serves both.
     """
 
     temperature: jax.Array
@@ -98,6 +100,7 @@ class SamplingTensors:
     seed_key: jax.Array
     has_seed: jax.Array
     request_uid: jax.Array
+    num_logprobs: jax.Array
 
     @classmethod
     def from_params(
@@ -150,6 +153,7 @@ class SamplingTensors:
         seed_key = np.zeros((b, 2), np.uint32)
         has_seed = np.zeros(b, bool)
         request_uid = np.zeros(b, np.uint32)
+        num_logprobs = np.zeros(b, np.int32)
         stops: list[list[int]] = [[] for _ in range(b)]
 
         for i, p in enumerate(params):
@@ -161,6 +165,7 @@ class SamplingTensors:
             frequency[i] = p.frequency_penalty
             repetition[i] = p.repetition_penalty
             min_tokens[i] = p.min_tokens
+            num_logprobs[i] = p.logprobs or 0
             if p.max_tokens is not None:
                 max_tokens[i] = min(p.max_tokens, _INT32_MAX)
             row_stops = list(p.stop_token_ids) + ([] if p.ignore_eos else eos)
@@ -214,6 +219,7 @@ class SamplingTensors:
             seed_key=jnp.asarray(seed_key),
             has_seed=jnp.asarray(has_seed),
             request_uid=jnp.asarray(request_uid),
+            num_logprobs=jnp.asarray(num_logprobs),
         )
 
     @property
@@ -353,19 +359,28 @@ class SamplerOutput(NamedTuple):
     top_logprobs: jax.Array
 
 
-def _gather_logprobs(raw: jax.Array, tokens: jax.Array, k: int):
+def _gather_logprobs(raw: jax.Array, tokens: jax.Array, k: int, wanted: jax.Array | None = None):
     """Log-prob and rank of ``tokens`` i32[T] and the top-k under ``log_softmax(raw)``.
 
     Works on the raw logits f32[T, V] and subtracts the normaliser only from the few values
     returned: a materialised [T, V] log_softmax feeding a gather, a compare and a top-k made
     XLA (CPU) recompute it per consumer, 4x slower than the whole rest of greedy sampling.
+    With ``wanted`` (bool[]) the top-k runs only when it is true (zeros otherwise).
     """
     log_norm = jax.nn.logsumexp(raw, axis=1)
     tok = jnp.take_along_axis(raw, tokens[:, None], axis=1)[:, 0]
     lp = tok - log_norm
     ranks = 1 + jnp.sum(raw > tok[:, None], axis=1, dtype=jnp.int32)
     if k > 0:
-        top_vals, top_ids = lax.top_k(raw, k)
+        t = tokens.shape[0]
+
+        def top(raw):
+            return tuple(lax.top_k(raw, k))
+
+        def none(raw):
+            return jnp.zeros((t, k), raw.dtype), jnp.zeros((t, k), jnp.int32)
+
+        top_vals, top_ids = top(raw) if wanted is None else lax.cond(wanted, top, none, raw)
         top_lp = top_vals - log_norm[:, None]
     else:
         top_lp = jnp.zeros((tokens.shape[0], 0), jnp.float32)
@@ -618,7 +633,8 @@ def sample(
       state: the rows' history *before* this token (call `update_counts` afterwards).
       key: the engine key, ``jax.random.key(engine_seed)`` (or its u32[2] data); only rows
         without a seed use it, and it need not change between steps.
-      num_top_logprobs: N, top entries returned per row (the largest ``logprobs`` in the batch).
+      num_top_logprobs: N, top entries returned per row (>= the largest ``logprobs`` in the
+        batch); computed only when some row's ``tensors.num_logprobs`` is > 0, zeros otherwise.
       max_candidates: logits gathered by ``lax.top_k`` before falling back to the bisection for
         top-k / top-p (see the module docstring).
       greedy_only: the caller guarantees every row is greedy (temperature 0): the program
@@ -630,9 +646,10 @@ def sample(
       ties); the others a draw from the processed distribution with the row's own key.
     """
     raw = logits.astype(jnp.float32)
+    wanted = jnp.any(tensors.num_logprobs > 0)  # top-N skipped when no row asks
     if greedy_only:
         tokens = jnp.argmax(apply_penalties(raw, tensors, state), axis=1).astype(jnp.int32)
-        lp, ranks, top_ids, top_lp = _gather_logprobs(raw, tokens, num_top_logprobs)
+        lp, ranks, top_ids, top_lp = _gather_logprobs(raw, tokens, num_top_logprobs, wanted)
         return SamplerOutput(tokens, lp, ranks, top_ids, top_lp)
     x = process_logits(raw, tensors, state, max_candidates=max_candidates)
     greedy = tensors.temperature == 0.0
@@ -642,5 +659,5 @@ def sample(
 
     argmax = jnp.argmax(x, axis=1).astype(jnp.int32)
     tokens = lax.cond(jnp.all(greedy), lambda x: argmax, draw, x)
-    lp, ranks, top_ids, top_lp = _gather_logprobs(raw, tokens, num_top_logprobs)
+    lp, ranks, top_ids, top_lp = _gather_logprobs(raw, tokens, num_top_logprobs, wanted)
     return SamplerOutput(tokens, lp, ranks, top_ids, top_lp)

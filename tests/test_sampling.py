@@ -1,5 +1,6 @@
 """On-device sampling against a float64 numpy reference of vLLM's semantics."""
 
+import dataclasses
 import functools
 
 import jax
@@ -375,8 +376,10 @@ def test_seed_keys():
 
 def test_logprobs_are_raw_log_softmax():
     logits, prompts, outputs = _batch(4)
+    # One row asking for log-probs makes the (static) top-5 run for every row.
+    asking = [dataclasses.replace(PARAMS[0], logprobs=5)] + list(PARAMS[1:])
     tensors = SamplingTensors.from_params(
-        PARAMS, vocab_size=V, eos_token_ids=EOS, request_uids=range(len(PARAMS))
+        asking, vocab_size=V, eos_token_ids=EOS, request_uids=range(len(PARAMS))
     )
     state = make_state(prompts, outputs, V)
     out = sample_jit(jnp.asarray(logits), tensors, state, KEY, num_top_logprobs=5)
@@ -398,6 +401,16 @@ def test_logprobs_are_raw_log_softmax():
     out0 = sample_jit(jnp.asarray(logits), tensors, state, KEY)
     assert out0.top_ids.shape == (len(PARAMS), 0)
     np.testing.assert_array_equal(out0.tokens, out.tokens)
+    # With N static but no row asking, the top-N is skipped at run time (zeros); the sampled
+    # tokens and their own log-probs do not change.
+    quiet = SamplingTensors.from_params(
+        PARAMS, vocab_size=V, eos_token_ids=EOS, request_uids=range(len(PARAMS))
+    )
+    out1 = sample_jit(jnp.asarray(logits), quiet, state, KEY, num_top_logprobs=5)
+    assert out1.top_ids.shape == (len(PARAMS), 5)
+    np.testing.assert_array_equal(out1.top_ids, 0)
+    np.testing.assert_array_equal(out1.tokens, out.tokens)
+    np.testing.assert_allclose(out1.logprobs, out.logprobs)
 
 
 def test_prompt_logprobs():
