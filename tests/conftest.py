@@ -8,9 +8,35 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import tempfile
 
 import numpy as np
 import pytest
+
+# A fresh persistent compilation cache per test session, as on a fresh CI machine: programs
+# compiled by one test's engine are reused by the next, and nothing reads entries that other
+# processes (benchmarks, older checkouts) wrote into the user's cache.
+os.environ.setdefault("JAX_PAGED_CACHE_DIR", tempfile.mkdtemp(prefix="jax_paged_test_xla_"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Frees the compiled programs of each test module when it ends.
+
+    Every loaded XLA CPU executable holds a few hundred memory mappings (about 400 for an
+    engine step of a tiny model) and jax's caches keep them alive for the whole process: a
+    suite that compiles a few hundred distinct programs in one process reaches the kernel's
+    `vm.max_map_count` (65530) and XLA aborts inside a compile. The on-disk cache above still
+    lets later modules reuse what earlier ones compiled.
+    """
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
 
 
 def oracle():
