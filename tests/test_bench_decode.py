@@ -1,0 +1,107 @@
+"""scripts/bench_decode.py at its smallest on a tiny HF Llama: the JSON's keys, positive
+throughputs, HF and jax-paged agreeing on the first greedy tokens; and the weight copy to HF
+reading per-layer and stacked layer parameters alike."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts/bench_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_decode_quick(tiny_llama, capsys):
+    path, _ = tiny_llama
+    bench = _load_script()
+    assert bench.main(["--quick", f"--model={path}"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    for key in (
+        "results",
+        "best_paged",
+        "best_hf",
+        "best_paged_over_best_hf",
+        "hf_matches_first_tokens",
+        "goals",
+        "max_program_compile_seconds",
+        "total_seconds",
+    ):
+        assert key in res, key
+    assert res["batch_sizes"] == [4] and res["max_tokens"] == 8 and res["repeats"] == 1
+    assert res["pools"] == ["64_blocks", "64MiB"]
+    assert 20 <= res["prompt_words"][0] <= res["prompt_words"][1] <= 60
+    assert res["hf_matches_first_tokens"] is True
+    row = res["results"]["4"]
+    assert row["paged_pools_agree"]
+    assert row["hf_batch_first_tokens_match_rate"] == 1.0
+    for pool in res["pools"]:
+        p = row["paged"][pool]
+        assert p["output_tokens_per_s"] > 0
+        assert p["output_tokens_per_run"] == 4 * 8
+        assert p["holds_batch"] and p["preemptions_in_timed_runs"] == 0
+        assert p["compile_seconds"] > 0 and p["compiled_variants"] > 0
+        assert p["compile_seconds_in_timed_runs"] == 0
+    assert row["paged"]["64_blocks"]["num_kv_blocks"] == max(64, row["blocks_needed"])
+    for v in (
+        row["paged_tokens_per_s"],
+        row["dense_bound"]["tokens_per_s"],
+        row["paged_share_of_bound"],
+        row["hf"]["output_tokens_per_s"],
+        row["paged_over_hf"],
+        res["best_paged_over_best_hf"],
+    ):
+        assert v > 0
+    assert row["pool_spread"] >= 0
+
+
+def test_hf_tensors_per_layer_and_stacked_agree():
+    from flax import nnx
+
+    import models
+
+    bench = _load_script()
+    cfg = models.ModelConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+    )
+    flat = bench._flat_params(models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    is_idx = bench._is_index
+    # Whichever form the model has today, build the other one from it.
+    if any(p[0] == "layers" and any(is_idx(x) for x in p[1:]) for p, _ in flat):
+        groups, other = defaultdict(dict), []
+        for p, a in flat:
+            if p[0] == "layers":
+                i = next(k for k, x in enumerate(p) if is_idx(x))
+                groups[p[:i] + p[i + 1 :]][int(p[i])] = np.asarray(a)
+            else:
+                other.append((p, a))
+        other += [(p, np.stack([g[i] for i in range(3)])) for p, g in groups.items()]
+    else:
+        other = []
+        for p, a in flat:
+            if p[0] == "layers":
+                other += [(("layers", i, *p[1:]), np.asarray(a)[i]) for i in range(3)]
+            else:
+                other.append((p, a))
+    a, b = bench.hf_tensors(flat, 3), bench.hf_tensors(other, 3)
+    assert sorted(a) == sorted(b)
+    assert "model.layers.2.self_attn.q_proj.weight" in a
+    assert a["model.layers.1.mlp.down_proj.weight"].shape == (16, 24)  # HF's [out, in]
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
