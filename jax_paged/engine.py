@@ -646,7 +646,7 @@ class LLMEngine:
         chunks = sched.chunks
         t = _pow2_at_least(sched.num_tokens, _MIN_TOKENS)
         t = min(t, _pow2_at_least(self.max_num_batched_tokens, _MIN_TOKENS))
-        # Rows follow tokens (each row has >= 1 token), so one bucket axis: t in 16, 32, ...,
+        # Rows follow tokens (each row has >= 1 token), so one bucket axis: t in 32, 64, ...,
         # max_num_batched_tokens, b = min(t, max_num_seqs) rows (the LM head runs on b rows).
         b = min(t, _pow2_at_least(self.max_num_seqs, 4))
         tokens = np.zeros(t, np.int32)
@@ -692,7 +692,7 @@ class LLMEngine:
         )
         seqs = [c.seq for c in chunks] + [None] * (b - len(chunks))
         tensors = self._tensors(seqs, b)
-        ntop = self._num_top(c.seq for c in chunks)
+        ntop = self._num_top
         plp_k = self.config.max_logprobs if want_plp else -1  # one variant, sliced on the host
         static = dict(
             graphdef=self.graphdef,
@@ -755,7 +755,7 @@ class LLMEngine:
         if self._pending_free:
             self._maintain()
         tensors = self._tensors(seqs + [None] * (b - len(seqs)), b)
-        ntop = self._num_top(seqs)
+        ntop = self._num_top
         max_steps = self.config.max_decode_steps
         static = dict(
             graphdef=self.graphdef,
@@ -813,12 +813,12 @@ class LLMEngine:
     def _track_key(self) -> bool:
         return self.state.sampling.tracks_tokens
 
-    def _num_top(self, seqs) -> int:
+    @property
+    def _num_top(self) -> int:
         """Top log-probs every program returns per row: always max_logprobs, so requests with
         and without logprobs share one compiled variant. The device computes them only when a
         row asks (a runtime `lax.cond` on ``SamplingTensors.num_logprobs``); the host keeps
         each request's own count."""
-        del seqs
         return self.config.max_logprobs
 
     # -- host bookkeeping ------------------------------------------------------------------

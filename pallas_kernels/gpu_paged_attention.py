@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import check_layer, stacked_pages, token_positions
+from pallas_kernels.reference import check_layer, query_blocks, stacked_pages
 
 __all__ = ["gpu_paged_attention_decode", "gpu_ragged_paged_attention"]
 
@@ -465,31 +465,17 @@ def _ragged(
     if block_q & (block_q - 1):
         raise ValueError(f"{block_q=} must be a power of 2")
     m_rows = max(16, _next_pow2(block_q * group))
-    # Upper bound on query blocks: sum_s cdiv(q_len_s, bq) <= (T + nonempty * (bq - 1)) // bq.
-    nqb = max(1, (t + min(s, t) * (block_q - 1)) // block_q)
-
-    # Per-sequence query blocks, then each block's sequence (searchsorted on the block offsets).
-    num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    cu = cu_q_lens.astype(jnp.int32)
-    live = jnp.arange(s) < num_seqs  # [S]
-    q_len = jnp.where(live, cu[1:] - cu[:-1], 0)  # [S]
-    cu_blocks = jnp.concatenate(
-        [jnp.zeros(1, jnp.int32), jnp.cumsum((q_len + block_q - 1) // block_q)]
+    blk_seq, blk_row0, blk_num_q, blk_pos0, tok_blk, tok_off, live = query_blocks(
+        t, kv_lens.astype(jnp.int32), cu_q_lens, jnp.asarray(num_seqs, jnp.int32), block_q
     )
+    nqb = blk_seq.shape[0]
     blk = jnp.arange(nqb, dtype=jnp.int32)  # [NQB]
-    blk_seq = jnp.clip(jnp.searchsorted(cu_blocks, blk, side="right") - 1, 0, s - 1)
-    blk_first = (blk - cu_blocks[blk_seq]) * block_q  # [NQB] first token offset in its sequence
-    blk_num_q = jnp.where(
-        blk < cu_blocks[s], jnp.clip(q_len[blk_seq] - blk_first, 0, block_q), 0
-    )  # [NQB]
-    kv_lens = kv_lens.astype(jnp.int32)
-    blk_pos0 = kv_lens[blk_seq] - q_len[blk_seq] + blk_first  # [NQB]
     meta = jnp.stack(
         [blk_pos0, blk_num_q, jnp.broadcast_to(layer, blk.shape), jnp.zeros_like(blk)], axis=1
     )  # [NQB, 4]
 
     # Gather q rows into blocks: [NQB, bq] token indices (T = zero row for padding).
-    tok = cu[blk_seq][:, None] + blk_first[:, None] + jnp.arange(block_q)[None, :]  # [NQB, bq]
+    tok = blk_row0[:, None] + jnp.arange(block_q)[None, :]  # [NQB, bq]
     tok = jnp.where(jnp.arange(block_q)[None, :] < blk_num_q[:, None], tok, t)
     q_pad = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])  # [T+1, H, D]
     q_blocks = q_pad[tok].reshape(nqb, block_q, kvh, group, d)
@@ -514,13 +500,9 @@ def _ragged(
         interpret=interpret,
     )  # [NQB, KVH, M, D]
 
-    # Rows back to tokens: token t is row (t - cu[seq]) % bq of block cu_blocks[seq] + ... // bq.
+    # Rows back to tokens: token t is row tok_off[t] of block tok_blk[t].
     o = o[:, :, : block_q * group].reshape(nqb, kvh, block_q, group, d)
     o = o.transpose(0, 2, 1, 3, 4).reshape(nqb * block_q, h, d)  # [NQB*bq, H, D]
-    seq, _ = token_positions(t, kv_lens, cu_q_lens, num_seqs)
-    rows = jnp.arange(t, dtype=jnp.int32)
-    off = rows - cu[seq]  # [T] offset in its sequence
-    row = (cu_blocks[seq] + off // block_q) * block_q + off % block_q  # [T]
-    out = o[jnp.clip(row, 0, nqb * block_q - 1)]  # [T, H, D]
-    valid = rows < cu[num_seqs]  # [T] padding rows past the last sequence
+    out = o[tok_blk * block_q + tok_off]  # [T, H, D]
+    valid = live  # [T]: rows past the last live sequence are padding (zeros)
     return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))

@@ -29,6 +29,7 @@ import numpy as np
 __all__ = [
     "check_layer",
     "paged_attention_decode_reference",
+    "query_blocks",
     "ragged_paged_attention_reference",
     "stacked_pages",
 ]
@@ -213,6 +214,35 @@ def token_positions(
     pos = kv_lens.astype(jnp.int32)[seq] - q_len + (rows - cu[seq])  # [T]
     pos = jnp.where(rows < total, pos, -1)
     return seq, pos
+
+
+def query_blocks(t, kv_lens, cu_q_lens, num_seqs, block_q):
+    """Splits each live sequence's rows of a ragged batch into blocks of <= ``block_q`` rows
+    (the query blocks of the XLA path and the GPU kernel). NB = (T + min(S, T) * (bq - 1)) // bq
+    bounds the blocks any batch needs; entries of ``cu_q_lens`` past ``num_seqs`` are ignored.
+
+    Returns ``(blk_seq i32[NB], blk_row0 i32[NB], blk_num i32[NB], blk_pos0 i32[NB], tok_blk
+    i32[T], tok_off i32[T], live bool[T])``: each block's sequence, first row in the flat batch,
+    row count (0 for unused blocks) and first position; each row's block and offset in it.
+    """
+    s = kv_lens.shape[0]
+    nb = max(1, (t + min(s, t) * (block_q - 1)) // block_q)
+    n_live = jnp.clip(num_seqs, 0, s)
+    # Entries past num_seqs may be garbage: flatten them to the end offset (keeps cu sorted).
+    cu = jnp.where(jnp.arange(s + 1) <= n_live, cu_q_lens, cu_q_lens[n_live]).astype(jnp.int32)
+    q_len = cu[1:] - cu[:-1]  # [S]
+    cu_blk = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(-(-q_len // block_q))])
+    blk = jnp.arange(nb, dtype=jnp.int32)
+    blk_seq = jnp.clip(jnp.searchsorted(cu_blk, blk, side="right") - 1, 0, s - 1)
+    first = (blk - cu_blk[blk_seq]) * block_q  # first row's offset in its sequence
+    blk_num = jnp.where(blk < cu_blk[s], jnp.clip(q_len[blk_seq] - first, 0, block_q), 0)
+    blk_pos0 = kv_lens[blk_seq] - q_len[blk_seq] + first
+    rows = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, s - 1).astype(jnp.int32)
+    live = (rows >= cu[0]) & (rows < cu[n_live])
+    off = rows - cu[seq]
+    tok_blk = jnp.where(live, cu_blk[seq] + off // block_q, 0)
+    return blk_seq, cu[blk_seq] + first, blk_num, blk_pos0, tok_blk, off % block_q, live
 
 
 @functools.partial(
