@@ -18,15 +18,40 @@ methods are pure functions of ``(params, state)``, so they go inside your own ``
 Blocks are allocated inside ``decode_step`` as sequences cross block boundaries, from a pool
 sized by default so that every row can reach ``max_len``. A row stops (its tokens become -1)
 after a stop token, at its max_tokens, at ``max_len``, or if the pool runs dry.
+
+Every row's state is in ``state.status`` (i32[B], a `RowStatus`); ``dec.describe(state)`` turns
+it into words on the host::
+
+    UNUSED          0  prompt_len 0 (or after `release`): the row holds nothing
+    RUNNING         1  still generating
+    STOP            2  stopped by a stop token (EOS unless ignore_eos, or its stop_token_ids)
+    MAX_TOKENS      3  stopped at its max_tokens
+    MAX_LEN         4  stopped when its sequence reached ``max_len`` tokens
+    NO_BLOCKS       5  no KV blocks: its prefill reservation was refused (it produced no token
+                       and wrote no K/V), or the pool ran dry in `decode_step` (it keeps the
+                       tokens it had and its blocks until `release`)
+    INVALID_PROMPT  6  its prompt length, traced under jit, was < 0, > Lmax or > max_len - 1
+                       (no token, no K/V, no blocks)
+
+When a row's token meets several stop conditions at once the status is the first of STOP,
+MAX_TOKENS, MAX_LEN. Prefill reserves in row order, first come first served: once a prompt
+does not fit in the free blocks no later prompt is given any.
+
+What `prefill` refuses with a ValueError at the call (before any work): prompts wider than
+``max_len`` (``Lmax > max_len``), and, when ``prompt_lens`` is concrete (not traced), any
+``prompt_lens[b] > max_len - 1`` (one token must be generatable), ``> Lmax`` or ``< 0``. Under
+``jit`` with traced lengths those rows get INVALID_PROMPT instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from jax_paged import block_manager as bm
@@ -34,6 +59,53 @@ from jax_paged import kv_cache as kvc
 from jax_paged import runner, sampling
 from jax_paged.sampling_params import SamplingParams
 from jax_paged.scheduler import blocks_for
+
+
+class RowStatus(enum.IntEnum):
+    """Why a row is (not) generating: the values of ``DecodeState.status`` (see the module
+    docstring for their meaning and precedence)."""
+
+    UNUSED = 0
+    RUNNING = 1
+    STOP = 2
+    MAX_TOKENS = 3
+    MAX_LEN = 4
+    NO_BLOCKS = 5
+    INVALID_PROMPT = 6
+
+    @property
+    def description(self) -> str:
+        return _DESCRIPTIONS[self]
+
+
+_DESCRIPTIONS = {
+    RowStatus.UNUSED: "unused (prompt_len 0)",
+    RowStatus.RUNNING: "running",
+    RowStatus.STOP: "stopped: stop token (EOS or stop_token_ids)",
+    RowStatus.MAX_TOKENS: "stopped: max_tokens reached",
+    RowStatus.MAX_LEN: "stopped: max_len reached",
+    RowStatus.NO_BLOCKS: "stopped: no KV blocks (the pool ran out)",
+    RowStatus.INVALID_PROMPT: "invalid prompt length (< 0, > Lmax or > max_len - 1)",
+}
+
+
+def _finish(status, ran, stop_token, max_tokens, max_len):
+    """Status after a row that ``ran`` sampled a token: the first stop reason that applies
+    (STOP, MAX_TOKENS, MAX_LEN), else RUNNING; rows that did not run keep ``status``."""
+    new = jnp.where(max_len, int(RowStatus.MAX_LEN), int(RowStatus.RUNNING))
+    new = jnp.where(max_tokens, int(RowStatus.MAX_TOKENS), new)
+    new = jnp.where(stop_token, int(RowStatus.STOP), new)
+    return jnp.where(ran, new, status).astype(jnp.int32)
+
+
+def _concrete(x):
+    """``x`` as a numpy array, or None when it is traced."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
 
 
 @struct.dataclass
@@ -46,6 +118,7 @@ class DecodeState:
       active: bool[B] rows still generating.
       tensors: per-row sampling parameters.
       key: u32[2] base key for rows without a seed.
+      status: i32[B] a `RowStatus` per row (RUNNING exactly where ``active``).
     """
 
     device: runner.DeviceState
@@ -53,6 +126,7 @@ class DecodeState:
     active: jax.Array
     tensors: sampling.SamplingTensors
     key: jax.Array
+    status: jax.Array
 
 
 class PagedDecoder:
@@ -128,24 +202,70 @@ class PagedDecoder:
             active=jnp.zeros(b, bool),
             tensors=tensors,
             key=jax.random.key_data(jax.random.key(seed)),
+            status=jnp.full(b, int(RowStatus.UNUSED), jnp.int32),
         )
+
+    def _check_prompts(self, prompts, prompt_lens):
+        """The call-time refusals of `prefill` (ValueError); see the module docstring."""
+        b, lmax = prompts.shape
+        m = self.max_len
+        if b != self.max_seqs:
+            raise ValueError(f"prompts has {b} rows; this decoder has max_seqs={self.max_seqs}")
+        if tuple(prompt_lens.shape) != (b,):
+            raise ValueError(f"prompt_lens has shape {tuple(prompt_lens.shape)}, expected ({b},)")
+        if lmax > m:
+            raise ValueError(
+                f"prompts are {lmax} tokens wide; with max_len={m} a prompt must be at most "
+                f"{m - 1} tokens so that one token can be generated (pad to at most {m})"
+            )
+        lens = _concrete(prompt_lens)
+        if lens is None:
+            return
+        bad = []
+        for r, n in enumerate(lens.tolist()):
+            if n < 0:
+                bad.append(f"row {r}: prompt_lens[{r}]={n} is negative")
+            elif n > m - 1:
+                bad.append(
+                    f"row {r}: prompt is {n} tokens; with max_len={m} it must be at most {m - 1} "
+                    "so that one token can be generated"
+                )
+            elif n > lmax:
+                bad.append(f"row {r}: prompt_lens[{r}]={n} is more than the prompts' width {lmax}")
+        if bad:
+            raise ValueError("; ".join(bad))
 
     def prefill(self, params, state: DecodeState, prompts, prompt_lens):
         """Prefills row b with ``prompts[b, :prompt_lens[b]]`` and samples its first token.
 
         Args:
-          prompts: i32[B, Lmax] (padding ignored); prompt_lens: i32[B] (0 = row unused).
+          prompts: i32[B, Lmax] (padding ignored; ``Lmax <= max_len``); prompt_lens: i32[B]
+            (0 = row unused, at most ``min(Lmax, max_len - 1)``).
 
         Returns:
-          (state, first tokens i32[B], -1 for unused rows). Pure and jittable.
+          (state, first tokens i32[B]). Pure and jittable. A row gives -1 and no K/V when it
+          is unused, its prompt length is invalid (traced lengths only: INVALID_PROMPT) or its
+          blocks could not be reserved (NO_BLOCKS); ``state.status`` says which.
+
+        Raises:
+          ValueError: ``Lmax > max_len``, or concrete ``prompt_lens`` out of range (see the
+            module docstring).
         """
+        prompts = jnp.asarray(prompts, jnp.int32)
+        prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
+        self._check_prompts(prompts, prompt_lens)
         model = nnx.merge(self.graphdef, params)
         b, lmax = prompts.shape
-        prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
-        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(prompt_lens)])
+        invalid = (prompt_lens < 0) | (prompt_lens > min(lmax, self.max_len - 1))
+        want = jnp.where(invalid, 0, prompt_lens)
+        blocks, res = bm.reserve(state.device.blocks, want)
+        refused = (want > 0) & ~res.ok
+        lens = jnp.where(refused, 0, want)  # the tokens that run: refused rows are padding
+
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lens)])
         t = b * lmax
         j = jnp.arange(lmax)[None, :]
-        valid = j < prompt_lens[:, None]  # [B, Lmax]
+        valid = j < lens[:, None]  # [B, Lmax]
         dest = jnp.where(valid, cu[:-1, None] + j, t)  # flat index of each valid token
         tokens = jnp.zeros(t, jnp.int32).at[dest].set(prompts, mode="drop")
         positions = (
@@ -154,7 +274,6 @@ class PagedDecoder:
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, lmax))
         token_row = jnp.full(t, -1, jnp.int32).at[dest].set(rows, mode="drop")
 
-        blocks, _ = bm.reserve(state.device.blocks, prompt_lens)
         slots = bm.token_slots(blocks, token_row, positions)
         attn = runner._paged_attn(
             self.opts, slots, blocks.block_tables, blocks.seq_lens, cu, jnp.int32(b)
@@ -163,7 +282,7 @@ class PagedDecoder:
         logits, kv = model.forward(
             tokens[None], positions[None], attn, state.device.kv, logits_indices=last_idx
         )
-        used = prompt_lens > 0
+        used = lens > 0
         out = sampling.sample(
             logits[0],
             state.tensors,
@@ -177,15 +296,31 @@ class PagedDecoder:
             prompt_mask = prompt_mask.at[rows, jnp.where(valid, prompts, samp.prompt_mask.shape[1])]
             samp = dataclasses.replace(samp, prompt_mask=prompt_mask.set(True, mode="drop"))
         first = jnp.where(used, out.tokens, -1)
-        stop = sampling.is_stop_token(state.tensors, out.tokens)
-        stop |= sampling.reached_max_tokens(state.tensors, samp) | (prompt_lens + 1 >= self.max_len)
+        status = jnp.where(invalid, int(RowStatus.INVALID_PROMPT), int(RowStatus.UNUSED))
+        status = jnp.where(refused, int(RowStatus.NO_BLOCKS), status)
+        status = _finish(
+            status,
+            used,
+            sampling.is_stop_token(state.tensors, out.tokens),
+            sampling.reached_max_tokens(state.tensors, samp),
+            lens + 1 >= self.max_len,
+        )
         device = runner.DeviceState(kv=kv, blocks=blocks, sampling=samp)
-        new = state.replace(device=device, last_tokens=jnp.maximum(first, 0), active=used & ~stop)
+        new = state.replace(
+            device=device,
+            last_tokens=jnp.maximum(first, 0),
+            active=status == int(RowStatus.RUNNING),
+            status=status,
+        )
         return new, first
 
     def decode_step(self, params, state: DecodeState):
         """One token for every active row: ``(params, state) -> (state, tokens i32[B])``,
-        -1 for rows that are not active. Pure; use it as a ``lax.scan`` body."""
+        -1 for rows that are not active. Pure; use it as a ``lax.scan`` body.
+
+        A row that stops gets its reason in ``state.status``: STOP, MAX_TOKENS or MAX_LEN after
+        its last token (which is returned), NO_BLOCKS when its next block could not be
+        reserved (its token this step is -1)."""
         model = nnx.merge(self.graphdef, params)
         b = self.max_seqs
         rows = jnp.arange(b, dtype=jnp.int32)
@@ -200,21 +335,39 @@ class PagedDecoder:
             opts=self.opts,
             greedy_only=self.greedy_only,
         )
-        seq_len = device.blocks.seq_lens
-        stop = sampling.is_stop_token(state.tensors, out.tokens)
-        stop |= sampling.reached_max_tokens(state.tensors, device.sampling)
-        stop |= seq_len + 1 >= self.max_len
+        status = jnp.where(state.active & ~ok, int(RowStatus.NO_BLOCKS), state.status)
+        status = _finish(
+            status,
+            ok,
+            sampling.is_stop_token(state.tensors, out.tokens),
+            sampling.reached_max_tokens(state.tensors, device.sampling),
+            device.blocks.seq_lens + 1 >= self.max_len,
+        )
         tokens = jnp.where(ok, out.tokens, -1)
         new = state.replace(
             device=device,
             last_tokens=jnp.where(ok, out.tokens, state.last_tokens),
-            active=ok & ~stop,
+            active=ok & (status == int(RowStatus.RUNNING)),
+            status=status,
         )
         return new, tokens
 
     def release(self, state: DecodeState) -> DecodeState:
-        """Frees every row's blocks (pure)."""
+        """Frees every row's blocks (pure): every row becomes inactive and UNUSED, as after
+        `init`, so read the statuses (`describe`) before releasing."""
         blocks = bm.free(state.device.blocks, jnp.ones(self.max_seqs, bool))
         return state.replace(
-            device=state.device.replace(blocks=blocks), active=state.active & False
+            device=state.device.replace(blocks=blocks),
+            active=jnp.zeros_like(state.active),
+            status=jnp.full_like(state.status, int(RowStatus.UNUSED)),
         )
+
+    @staticmethod
+    def statuses(state: DecodeState) -> list[RowStatus]:
+        """Host-side: each row's `RowStatus`."""
+        return [RowStatus(int(s)) for s in np.asarray(jax.device_get(state.status))]
+
+    @staticmethod
+    def describe(state: DecodeState) -> list[str]:
+        """Host-side: each row's status in words, e.g. ``"stopped: max_tokens reached"``."""
+        return [s.description for s in PagedDecoder.statuses(state)]
