@@ -37,7 +37,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from jax_paged.outputs import LogprobsDict
+from jax_paged.outputs import LogprobsDict, describe_error
 from jax_paged.sampling_params import BeamSearchParams, SamplingParams
 
 _request_ids = itertools.count()
@@ -225,15 +225,23 @@ def beam_search(
             f"more than the engine's max_logprobs={max_logprobs}; lower beam_width or raise "
             "max_logprobs"
         )
+    max_n = engine.config.max_n
+    if params.beam_width > max_n:
+        raise ValueError(
+            f"beam_width={params.beam_width} is more than max_n={max_n} (an EngineConfig / LLM "
+            "argument): lower beam_width or raise max_n"
+        )
     step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k)
 
     states: list[_PromptState] = []
     for i, prompt in enumerate(prompts):
         try:
             text, ids = engine._tokenize(prompt)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - becomes this prompt's error
             text = prompt if isinstance(prompt, str) else None
-            st = _PromptState(i, text, [], params.max_tokens, [], done=True, error=str(e))
+            st = _PromptState(
+                i, text, [], params.max_tokens, [], done=True, error=describe_error(e)
+            )
         else:
             # Like `generate`, never run past max_model_len (an over-long prompt is rejected
             # when its first request is added).
@@ -252,6 +260,13 @@ def beam_search(
         bar = factory(total=len(states), desc="Beam search", dynamic_ncols=True)
         bar.update(len(states) - len(queue))
 
+    def fail(st: _PromptState, message: str) -> None:
+        for r in st.pending:
+            engine.abort(r)
+            owner.pop(r, None)
+        st.pending.clear()
+        st.done, st.error = True, message
+
     def submit(st: _PromptState) -> None:
         st.results = {}
         for j, beam in enumerate(st.running):
@@ -260,12 +275,8 @@ def beam_search(
                 engine.add_request(
                     rid, {"prompt_token_ids": st.prompt_token_ids + beam.tokens}, step_params
                 )
-            except ValueError as e:
-                for r in st.pending:
-                    engine.abort(r)
-                    owner.pop(r, None)
-                st.pending.clear()
-                st.done, st.error = True, str(e)
+            except Exception as e:  # noqa: BLE001 - becomes this prompt's error
+                fail(st, describe_error(e))
                 return
             st.pending[rid] = j
             owner[rid] = st
@@ -289,6 +300,11 @@ def beam_search(
                     continue
                 del owner[out.request_id]
                 j = st.pending.pop(out.request_id)
+                if out.error is not None:  # an engine step failed under this beam
+                    fail(st, out.error)
+                    active -= 1
+                    _tick(bar)
+                    continue
                 st.results[j] = out.outputs[0].logprobs[0]
                 if st.pending:
                     continue

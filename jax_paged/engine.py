@@ -68,6 +68,8 @@ class EngineConfig:
       enable_prefix_caching: reuse the KV blocks of earlier prompts with the same prefix
         (full blocks keyed by their tokens and their parent's key, evicted least recently
         used first when the pool needs them).
+      max_n: the most sequences one request may ask for (``SamplingParams.n``, and the beam
+        width of `LLM.beam_search`); larger requests are rejected.
     """
 
     block_size: int = 16
@@ -83,6 +85,7 @@ class EngineConfig:
     attention_interpret: bool = False
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
+    max_n: int = 256
 
     def __post_init__(self):
         def positive(name):
@@ -98,6 +101,7 @@ class EngineConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_decode_steps",
+            "max_n",
         ):
             positive(name)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -153,6 +157,7 @@ class _Request:
     cum_logprob: list[float] = dataclasses.field(default_factory=list)
     emitted_len: list[int] = dataclasses.field(default_factory=list)
     pending_forks: list[Sequence] = dataclasses.field(default_factory=list)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -192,25 +197,7 @@ class LLMEngine:
             impl=config.attention_impl,
             interpret=config.attention_interpret,
         )
-        kv = kvc.KVCache.create(
-            mc.num_layers,
-            mc.num_kv_heads,
-            mc.head_dim,
-            block_size=bs,
-            num_blocks=self.num_blocks,
-            dtype=self.dtype,
-        )
-        # A direct-mapped prefix-cache table: a bucket collision costs a miss (and stops that
-        # prompt's chain), so give it 16 buckets per block (4 bytes each) to keep that rare.
-        blocks = bm.init_state(
-            self.num_blocks,
-            bs,
-            self.max_num_seqs,
-            self.max_blocks_per_seq,
-            hash_table_size=16 * _pow2_at_least(self.num_blocks),
-        )
-        samp = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=False)
-        self.state = runner.DeviceState(kv=kv, blocks=blocks, sampling=samp)
+        self.state = self._fresh_state(track_tokens=False)
         self.scheduler = Scheduler(
             num_blocks=self.num_blocks - 1,
             block_size=bs,
@@ -239,6 +226,8 @@ class LLMEngine:
             num_finished=0,
             num_aborted=0,
             num_rejected=0,
+            num_failed=0,
+            num_step_failures=0,
             prompt_tokens=0,
             generated_tokens=0,
             num_steps=0,
@@ -253,6 +242,30 @@ class LLMEngine:
             physical_block_steps=0,
         )
         self._last_log = 0.0
+        self._step_seqs: list[Sequence] | None = None  # the sequences of the step in flight
+
+    def _fresh_state(self, track_tokens: bool) -> runner.DeviceState:
+        """An empty device state: a zeroed KV pool, every block free, no prefix cache."""
+        mc, bs = self.model_config, self.config.block_size
+        kv = kvc.KVCache.create(
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            block_size=bs,
+            num_blocks=self.num_blocks,
+            dtype=self.dtype,
+        )
+        # A direct-mapped prefix-cache table: a bucket collision costs a miss (and stops that
+        # prompt's chain), so give it 16 buckets per block (4 bytes each) to keep that rare.
+        blocks = bm.init_state(
+            self.num_blocks,
+            bs,
+            self.max_num_seqs,
+            self.max_blocks_per_seq,
+            hash_table_size=16 * _pow2_at_least(self.num_blocks),
+        )
+        samp = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=track_tokens)
+        return runner.DeviceState(kv=kv, blocks=blocks, sampling=samp)
 
     # -- sizing ----------------------------------------------------------------------------
     def _size_kv_pool(self) -> int:
@@ -295,7 +308,12 @@ class LLMEngine:
                     "prompt: this model has no tokenizer; pass token ids as "
                     '{"prompt_token_ids": [...]}'
                 )
-            return prompt, self.tokenizer.encode(prompt)
+            try:
+                return prompt, self.tokenizer.encode(prompt)
+            except Exception as e:  # e.g. a lone surrogate: TypeError from `tokenizers`
+                raise ValueError(
+                    f"prompt: the tokenizer cannot encode it ({type(e).__name__}: {e})"
+                ) from e
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:
@@ -323,11 +341,29 @@ class LLMEngine:
         params: SamplingParams | None = None,
     ) -> None:
         """Queues a request. Raises ValueError (naming the field) if it cannot be served; the
-        engine and the other requests are unaffected."""
+        engine and the other requests are unaffected (nothing of a rejected request is kept;
+        ``num_rejected`` counts it)."""
+        try:
+            self._add_request(request_id, prompt, params)
+        except Exception:
+            self._stats["num_rejected"] += 1
+            raise
+
+    def count_rejected(self) -> None:
+        """Counts a request rejected before it reached `add_request` (e.g. by its chat
+        template) in ``num_rejected``."""
+        self._stats["num_rejected"] += 1
+
+    def _add_request(self, request_id, prompt, params) -> None:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if params.n > self.config.max_n:
+            raise ValueError(
+                f"n={params.n} is more than max_n={self.config.max_n} (an EngineConfig / LLM "
+                "argument): ask for fewer sequences per request or raise max_n"
             )
         request_id = str(request_id)
         if request_id in self.requests:
@@ -364,7 +400,12 @@ class LLMEngine:
                 f"{self.num_blocks - 1}: lower max_tokens or raise num_kv_blocks"
             )
         if params.uses_penalties and not self.state.sampling.tracks_tokens:
-            self._start_tracking_tokens()
+            try:
+                self._start_tracking_tokens()
+            except Exception as e:  # a device call: contain it as a failed step would be
+                self._step_seqs = None
+                self._recover(e)
+                raise
 
         now = time.time()
         seqs = [
@@ -517,11 +558,71 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs of the requests that progressed
-        (``finished`` set on those that are done)."""
+        (``finished`` set on those that are done).
+
+        If the step raises (an error inside a compiled call: out of memory, a runtime fault),
+        the requests of that step finish with ``error`` set and come back in the returned
+        outputs, the device state is rebuilt empty, and every other running sequence is
+        preempted (it re-prefills later, its output unchanged): the engine keeps serving.
+        """
         self._stats["num_steps"] += 1
+        self._step_seqs = None
+        try:
+            return self._step()
+        except Exception as e:  # noqa: BLE001 - contained: see the docstring
+            return self._recover(e)
+
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """Fails the requests of the step that raised, rebuilds the device state and puts every
+        other running sequence back in the waiting queue (nothing of the old state is read)."""
+        import traceback
+
+        seqs = self._step_seqs or []
+        failed = list({id(s.request): s.request for s in seqs}.values())
+        logger.error(
+            "engine step failed (%s: %s); failing %d requests, rebuilding the KV cache and "
+            "re-prefilling %d running sequences",
+            type(exc).__name__,
+            exc,
+            len(failed),
+            sum(s.request not in failed for s in self.scheduler.running),
+            exc_info=exc,
+        )
+        # The traceback's frames hold the old state's arrays: let them go before re-allocating.
+        traceback.clear_frames(exc.__traceback__)
+        self._stats["num_step_failures"] += 1
+        msg = f"engine step failed: {type(exc).__name__}: {exc}"
+        outs = []
+        for req in failed:
+            self._fork_waiting.pop(req.request_id, None)
+            for s in req.seqs:
+                if s.status is not SequenceStatus.FINISHED:
+                    if s not in req.pending_forks:  # pending forks are not queued anywhere
+                        self.scheduler.finish(s)
+                    s.status = SequenceStatus.FINISHED
+                    s.finish_reason = "abort"
+            req.pending_forks = []
+            req.error = msg
+            req.metrics.finished_time = time.time()
+            self.requests.pop(req.request_id, None)
+            self._stats["num_failed"] += 1
+            outs.append(self._make_output(req))
+        for s in list(self.scheduler.running):
+            self.scheduler.preempt(s)
+        self.scheduler.drain_preempted_slots()
+        self.scheduler.num_free_blocks = self.scheduler.num_blocks
+        self._pending_free, self._cache_reqs, self._fork_pairs = [], {}, []
+        self._cached_heads = set()
+        track = bool(self.state is not None and self.state.sampling.tracks_tokens)
+        self.state = None
+        self.state = self._fresh_state(track_tokens=track)
+        return outs
+
+    def _step(self) -> list[RequestOutput]:
         self._fork_ready()
         self._maintain()
         sched = self.scheduler.schedule(match=self._match if self.caching else None)
+        self._step_seqs = [c.seq for c in sched.chunks]
         self._pending_free += self.scheduler.drain_preempted_slots()
         for s in sched.preempted:
             s.request.metrics.num_preemptions += 1
@@ -947,6 +1048,7 @@ class LLMEngine:
             finished=req.finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
             metrics=req.metrics,
+            error=req.error,
         )
 
     # -- metrics ---------------------------------------------------------------------------

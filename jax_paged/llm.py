@@ -8,7 +8,7 @@ print(outs[0].outputs[0].text)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import models
 from jax_paged import beam_search as beam_search_lib
 from jax_paged.engine import EngineConfig, LLMEngine
-from jax_paged.outputs import RequestOutput
+from jax_paged.outputs import RequestOutput, describe_error
 from jax_paged.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("jax_paged")
@@ -75,6 +75,47 @@ class LLM:
         Prompts are strings or ``{"prompt_token_ids": [...]}``; ``sampling_params`` is one
         `SamplingParams` for all or a list with one per prompt.
         """
+        prompts, params = self._pair(prompts, sampling_params)
+        return self._run(prompts, params, use_tqdm)
+
+    def iter_generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """`generate` as it happens: yields ``(index of the prompt, its finished output)`` in
+        the order the requests finish (rejected prompts first). Stopping the iteration early
+        (``break``, an exception, ``close()``) aborts the requests still running, so none
+        outlives the call."""
+        prompts, params = self._pair(prompts, sampling_params)
+        return self._iter_run(list(zip(prompts, params, strict=True)))
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | Callable = False,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation (a list of
+        ``{"role", "content"}``) or a list of conversations, then generates. A conversation
+        the template cannot render comes back with ``error`` set."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for c in convs:
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    c, add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+                prompts.append({"prompt_token_ids": ids})
+            except Exception as e:  # noqa: BLE001 - becomes this conversation's error
+                prompts.append(_Rejected(f"messages: {describe_error(e)}"))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _pair(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -86,60 +127,63 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
                 )
-        return self._run(prompts, params, use_tqdm)
-
-    def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        use_tqdm: bool | Callable = False,
-    ) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation (a list of
-        ``{"role", "content"}``) or a list of conversations, then generates."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer; this model has none")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {
-                "prompt_token_ids": self.tokenizer.apply_chat_template(
-                    c, add_generation_prompt=add_generation_prompt, tokenize=True
-                )
-            }
-            for c in convs
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return prompts, params
 
     def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
-        engine = self.engine
-        ids, results = [], {}
-        for prompt, p in zip(prompts, params, strict=True):
-            rid = f"gen-{self._counter}"
-            self._counter += 1
-            ids.append(rid)
-            try:
-                engine.add_request(rid, prompt, p)
-            except ValueError as e:
-                results[rid] = _error_output(rid, prompt, str(e))
+        results: dict[int, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             factory = use_tqdm if callable(use_tqdm) else tqdm
-            bar = factory(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-            bar.update(len(results))
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-                        m = engine.get_metrics()
-                        bar.set_postfix_str(f"{m['generation_tokens_per_s']:.1f} tok/s")
-        if bar is not None:
-            bar.close()
-        return [results[r] for r in ids]
+            bar = factory(total=len(prompts), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            for i, out in self._iter_run(list(zip(prompts, params, strict=True))):
+                results[i] = out
+                if bar is not None:
+                    bar.update(1)
+                    m = self.engine.get_metrics()
+                    bar.set_postfix_str(f"{m['generation_tokens_per_s']:.1f} tok/s")
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in range(len(prompts))]
+
+    def _iter_run(self, items: list) -> Iterator[tuple[int, RequestOutput]]:
+        """Adds every (prompt, params) of ``items``, then steps the engine until all of them
+        finish, yielding ``(index, output)`` as each does. All or nothing per call: a prompt
+        that cannot be added (any exception) yields its error output at once; if the loop
+        stops for any reason, the requests still running are aborted before it returns."""
+        engine = self.engine
+        index: dict[str, int] = {}  # request id -> input index, while running
+        try:
+            for i, (prompt, p) in enumerate(items):
+                rid = f"gen-{self._counter}"
+                self._counter += 1
+                if isinstance(prompt, _Rejected):
+                    engine.count_rejected()
+                    yield i, _error_output(rid, None, prompt.message)
+                    continue
+                try:
+                    engine.add_request(rid, prompt, p)
+                except Exception as e:  # noqa: BLE001 - becomes this prompt's error
+                    if not isinstance(e, ValueError):
+                        logger.warning("request %s rejected: %s", rid, describe_error(e))
+                    yield i, _error_output(rid, prompt, describe_error(e))
+                    continue
+                index[rid] = i
+            while index:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(
+                        f"the engine lost {len(index)} requests it had accepted: "
+                        f"{sorted(index)[:5]}"
+                    )
+                for out in engine.step():
+                    if out.finished and out.request_id in index:
+                        yield index.pop(out.request_id), out
+        finally:
+            for rid in index:
+                engine.abort(rid)
 
     def beam_search(
         self,
@@ -175,8 +219,17 @@ def _enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+class _Rejected:
+    """A prompt that failed before it reached the engine (e.g. its chat template)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
 def _error_output(rid: str, prompt, message: str) -> RequestOutput:
     text = prompt if isinstance(prompt, str) else None
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        text = prompt["prompt"]
     return RequestOutput(
         request_id=rid,
         prompt=text,

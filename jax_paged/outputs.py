@@ -94,8 +94,10 @@ class RequestOutput:
       finished: whether every completion has finished.
       num_cached_tokens: prompt tokens whose K/V came from the prefix cache.
       metrics: timings (`RequestMetrics`), when the engine records them.
-      error: set (and ``outputs`` empty, ``finished`` True) when the request was rejected, e.g.
-        for a bad parameter; the other requests of the same call are unaffected.
+      error: set (``finished`` True) when the request could not be served: rejected when it
+        was added (e.g. a bad parameter; ``outputs`` empty), or failed by an engine step that
+        raised (``outputs`` hold what was generated before, finish_reason "abort"). The other
+        requests of the same call are unaffected.
     """
 
     request_id: str
@@ -136,3 +138,9 @@ def make_logprobs_dict(
     for t, lp in out.items():
         lp.decoded_token = dec(t)
     return out
+
+
+def describe_error(e: BaseException) -> str:
+    """An exception as a one-line request error: a ValueError as it is (it names the field),
+    anything else with its type."""
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

@@ -106,3 +106,20 @@ def test_stop_strings_on_detokenised_text(llm):
         ),
     )[0].outputs[0]
     assert kept.text == full.text[: full.text.index("Paris") + len("Paris")]
+
+
+def test_prompt_the_tokenizer_cannot_encode_is_its_own_error(llm):
+    """A lone surrogate makes `tokenizers` raise TypeError: that prompt's error, the others run,
+    and nothing is left queued for the next call."""
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(["good one", "good two", "bad \ud800"], sp)
+    assert [len(o.outputs[0].token_ids) for o in outs[:2]] == [4, 4]
+    assert "tokenizer cannot encode" in outs[2].error and "TypeError" in outs[2].error
+    conv = [{"role": "user", "content": "hi"}]
+    chats = llm.chat([conv, [{"role": "user"}]], sp)  # the second has no content
+    assert chats[0].error is None and chats[1].error.startswith("messages:")
+    before = llm.get_metrics()["generated_tokens"]
+    later = llm.generate(["later"], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(later[0].outputs[0].token_ids) == 5
+    assert llm.get_metrics()["generated_tokens"] - before == 5
+    assert not llm.engine.has_unfinished_requests()

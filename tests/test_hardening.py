@@ -1,0 +1,192 @@
+"""The engine under failure: no request outlives its call, a failing device step fails only its
+own requests and the engine keeps serving, limits on n, the rejection counter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_paged import LLM, BeamSearchParams, SamplingParams
+from jax_paged import block_manager as bm
+
+VOCAB = 256
+
+
+def _prompts(n, seed=0, lo=2, hi=30):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _ids(p):
+    return {"prompt_token_ids": p}
+
+
+def _assert_clean(llm):
+    """No request left, every block free or evictable, the block manager consistent."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.requests == {}
+    state = engine.state.blocks
+    bm.check_invariants(state)
+    assert not bool(np.asarray(state.live).any())
+    assert int(bm.num_free_blocks(state)) == engine.num_blocks - 1
+    assert engine.scheduler.num_free_blocks == engine.num_blocks - 1
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    path, _ = tiny_llama
+    return LLM(str(path), num_kv_blocks=40, block_size=4, max_num_seqs=4, max_n=8)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Greedy outputs of 6 prompts, run with no fault."""
+    prompts = _prompts(6)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([_ids(p) for p in prompts], sp)
+    return prompts, sp, [o.outputs[0].token_ids for o in outs]
+
+
+def test_unexpected_add_failure_is_that_prompts_error_and_leaves_no_orphans(llm, monkeypatch):
+    engine = llm.engine
+    real = engine.add_request
+
+    def add(rid, prompt, params=None):
+        if prompt == _ids([7, 7, 7]):
+            raise TypeError("TextInputSequence must be str")
+        return real(rid, prompt, params)
+
+    monkeypatch.setattr(engine, "add_request", add)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([_ids([5, 6, 7]), _ids([8, 9]), _ids([7, 7, 7])], sp)
+    assert [len(o.outputs[0].token_ids) for o in outs[:2]] == [6, 6]
+    assert outs[2].error == "TypeError: TextInputSequence must be str" and not outs[2].outputs
+    _assert_clean(llm)
+    before = engine.get_metrics()["generated_tokens"]
+    later = llm.generate(_ids([10, 11]), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(later[0].outputs[0].token_ids) == 5
+    assert engine.get_metrics()["generated_tokens"] - before == 5
+
+
+def test_a_call_that_fails_aborts_every_request_it_added(llm, monkeypatch):
+    engine = llm.engine
+    real_step = engine.step
+    calls = []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    aborted = engine.get_metrics()["num_aborted"]
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([_ids(p) for p in _prompts(5, seed=3)], sp)
+    assert engine.get_metrics()["num_aborted"] - aborted == 5
+    monkeypatch.undo()
+    engine.step()  # frees the aborted slots on the device
+    _assert_clean(llm)
+
+
+def test_iter_generate_stopped_early_aborts_the_rest(llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [_ids(p) for p in _prompts(5, seed=4)]
+    it = llm.iter_generate(prompts + [_ids([VOCAB + 5])], sp)
+    i, first = next(it)  # the rejected prompt comes back first
+    assert i == 5 and "out of range" in first.error
+    i, out = next(it)
+    assert out.finished and len(out.outputs[0].token_ids) == 8
+    it.close()
+    assert llm.engine.requests == {}
+    llm.engine.step()
+    _assert_clean(llm)
+
+
+def _inject_fault(monkeypatch, engine, kind: str, nth: int):
+    """The ``nth`` compiled call of ``kind`` runs (consuming the donated state), then raises."""
+    real = engine._call
+    seen = []
+
+    def call(k, fn, key, args, static):
+        out = real(k, fn, key, args, static)
+        if k == kind:
+            seen.append(1)
+            if len(seen) == nth:
+                raise RuntimeError(f"injected fault in {kind}")
+        return out
+
+    monkeypatch.setattr(engine, "_call", call)
+    return seen
+
+
+@pytest.mark.parametrize(("kind", "nth"), [("mixed", 1), ("mixed", 3), ("decode", 1)])
+def test_failing_device_step_fails_only_its_requests(llm, reference, monkeypatch, kind, nth):
+    prompts, sp, ref = reference
+    engine = llm.engine
+    failures = engine.get_metrics()["num_step_failures"]
+    seen = _inject_fault(monkeypatch, engine, kind, nth)
+    outs = llm.generate([_ids(p) for p in prompts], sp)
+    assert len(seen) >= nth
+    failed = [o for o in outs if o.error is not None]
+    assert failed and len(failed) < len(outs)
+    for o, r in zip(outs, ref, strict=True):
+        if o.error is None:
+            assert o.outputs[0].token_ids == r
+        else:
+            assert f"injected fault in {kind}" in o.error and o.finished
+            assert o.outputs[0].finish_reason == "abort"
+    m = engine.get_metrics()
+    assert m["num_step_failures"] == failures + 1
+    monkeypatch.undo()
+    _assert_clean(llm)
+    again = llm.generate([_ids(p) for p in prompts], sp)  # and it keeps serving
+    assert [o.outputs[0].token_ids for o in again] == ref
+
+
+def test_failing_bookkeeping_call_fails_no_request(llm, reference, monkeypatch):
+    """A fault in the between-steps call (free, cache, fork) belongs to no request: everyone
+    re-prefills and finishes with the same output."""
+    prompts, sp, ref = reference
+    _inject_fault(monkeypatch, llm.engine, "maintain", 1)
+    outs = llm.generate([_ids(p) for p in prompts], sp)
+    assert [o.error for o in outs] == [None] * len(outs)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    monkeypatch.undo()
+    _assert_clean(llm)
+
+
+def test_failing_step_with_n_and_beams(llm, monkeypatch):
+    engine = llm.engine
+    _inject_fault(monkeypatch, engine, "mixed", 2)
+    sp = SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([_ids(p) for p in _prompts(3, seed=5)], sp)
+    assert any(o.error for o in outs)
+    monkeypatch.undo()
+    _assert_clean(llm)
+    _inject_fault(monkeypatch, engine, "mixed", 2)
+    res = llm.beam_search(
+        [_ids([5, 6, 7, 8]), _ids([9, 10])], BeamSearchParams(beam_width=2, max_tokens=4)
+    )
+    assert any(r.error and "injected" in r.error for r in res)
+    monkeypatch.undo()
+    _assert_clean(llm)
+
+
+def test_limit_on_n_and_beam_width_and_the_rejection_counter(llm):
+    engine = llm.engine
+    rejected = engine.get_metrics()["num_rejected"]
+    outs = llm.generate(
+        [_ids([5, 6]), _ids([]), _ids([5, 6])],
+        [SamplingParams(n=9), SamplingParams(), SamplingParams(n=8, max_tokens=2)],
+    )
+    assert "n=9 is more than max_n=8" in outs[0].error
+    assert "empty" in outs[1].error
+    assert outs[2].error is None and len(outs[2].outputs) == 8
+    assert engine.get_metrics()["num_rejected"] == rejected + 2
+    with pytest.raises(ValueError, match="beam_width=9 is more than max_n=8"):
+        llm.beam_search([_ids([5, 6])], BeamSearchParams(beam_width=9, max_tokens=4))
+    with pytest.raises(ValueError, match="max_n"):
+        LLM(llm.engine.loaded, max_n=0)
