@@ -9,26 +9,42 @@
 Prompts come from the positional arguments, or from --prompts-file: a text file (one prompt a
 line) or, for a ``.jsonl`` file, one JSON object a line with "prompt" (text), "prompt_token_ids"
 or "messages" (a chat), plus any `SamplingParams` field for that request, overriding the flags.
-A bad line (malformed JSON, an unknown field, a bad value) gets an error record; the others run.
+A bad request (malformed JSON, an unknown field, a bad value, a chat the template cannot render,
+a prompt the engine refuses) gets an error record; the others run. Every error names where its
+request came from: ``line N:`` (the line of --prompts-file, from 1, blank lines counted) or
+``prompt N:`` (the N-th positional prompt, from 1).
 
-Output: the completions as text on stdout, or with --output one JSON object a line
-(``{"index", "prompt", "outputs": [{"text", "token_ids", "finish_reason", ...}], "error"}``).
+Output: the completions on stdout as they finish, tagged ``[index]`` (the request's position,
+from 0), or with --output one JSON object a line, written and flushed as each request finishes
+(so in completion order; a crash loses only the unfinished ones):
+``{"index", "line", "error", "prompt", "prompt_token_ids", "outputs": [{"text", "token_ids",
+"finish_reason", ...}]}``, "line" being the --prompts-file line (null for positional prompts).
 A closing summary (requests, tokens, tokens/s, peak KV usage, preemptions, compile time) goes
 to stderr.
+
+Exit status: 0; 2 for a bad command line (a missing --model or --prompts-file, a folder that is
+not a model, an --output that cannot be written, a prompts file with no prompts), all checked
+before the model loads; 1 when every request failed, the model did not load or the run stopped
+(130 on Ctrl-C). A failure prints one ``error: ...`` line on stderr; -v adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jax_paged import LLM, SamplingParams  # noqa: E402
+from jax_paged.outputs import describe_error  # noqa: E402
+from models.loading import CHECKPOINT_MARKER  # noqa: E402
 
 DEFAULT_PROMPT = "What is the capital of France?"
 _SAMPLING_FLAGS = (
@@ -88,116 +104,144 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def read_requests(args, base: dict) -> list[tuple[object, dict | None, str | None]]:
-    """[(prompt or messages, sampling-field overrides, error)] in input order."""
+class Failure(Exception):
+    """Stops the script with one ``error: <message>`` line on stderr and exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def usage_error(message: str) -> Failure:
+    return Failure(message, 2)
+
+
+class Request(NamedTuple):
+    where: str  # how error messages name it: "line 3" (of --prompts-file) or "prompt 2"
+    line: int | None  # its 1-based line in --prompts-file; None for a positional prompt
+    prompt: object  # text, {"prompt_token_ids": [...]} or chat messages; None if error is set
+    fields: dict  # per-request SamplingParams fields
+    error: str | None  # why it cannot run, found while reading it (without the location)
+
+
+def read_requests(args) -> list[Request]:
+    """The requests in input order; a line that cannot be read becomes a request with its
+    error. A missing, unreadable or empty --prompts-file is a usage error."""
     if args.prompts_file is None:
         prompts = args.prompts or [DEFAULT_PROMPT]
         chat = args.chat or not args.prompts
-        return [(([{"role": "user", "content": p}] if chat else p), {}, None) for p in prompts]
+        return [
+            Request(f"prompt {k}", None, [{"role": "user", "content": p}] if chat else p, {}, None)
+            for k, p in enumerate(prompts, 1)
+        ]
     path = Path(args.prompts_file)
     if not path.is_file():
-        raise SystemExit(f"--prompts-file: {path} does not exist")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if path.suffix != ".jsonl":
-        out = []
-        for line in lines:
-            if line.strip():
-                out.append((([{"role": "user", "content": line}] if args.chat else line), {}, None))
-        return out
+        raise usage_error(f"--prompts-file {path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise usage_error(f"--prompts-file {path}: cannot read it ({describe_error(e)})") from e
     out = []
     for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            out.append((None, None, f"line {lineno}: malformed JSON ({err.msg})"))
-            continue
-        if not isinstance(obj, dict):
-            out.append((None, None, f"line {lineno}: must be a JSON object"))
-            continue
-        keys = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
-        if len(keys) != 1:
-            out.append(
-                (None, None, f"line {lineno}: give one of prompt, prompt_token_ids, messages")
-            )
-            continue
-        key = keys[0]
-        value = obj.pop(key)
-        if key == "prompt" and args.chat:
-            value, key = [{"role": "user", "content": value}], "messages"
-        prompt = value if key in ("prompt", "messages") else {"prompt_token_ids": value}
-        unknown = set(obj) - set(SamplingParams.__dataclass_fields__)
-        if unknown:
-            out.append(
-                (
-                    None,
-                    None,
-                    f"line {lineno}: unknown fields {sorted(unknown)}; allowed: prompt, "
-                    f"prompt_token_ids, messages and the SamplingParams fields "
-                    f"{sorted(SamplingParams.__dataclass_fields__)}",
-                )
-            )
-            continue
-        out.append((prompt, obj, None))
+        if line.strip():
+            where = f"line {lineno}"
+            if path.suffix == ".jsonl":
+                out.append(_parse_jsonl(where, lineno, line, args.chat))
+            else:
+                text = [{"role": "user", "content": line}] if args.chat else line
+                out.append(Request(where, lineno, text, {}, None))
+    if not out:
+        raise usage_error(f"--prompts-file {path} holds no prompts")
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    base = {f: getattr(args, f) for f in _SAMPLING_FLAGS}
-    requests = read_requests(args, base)
+def _parse_jsonl(where: str, lineno: int, line: str, chat: bool) -> Request:
+    def bad(message: str) -> Request:
+        return Request(where, lineno, None, {}, message)
 
-    t0 = time.perf_counter()
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_decode_steps=args.max_decode_steps,
-        attention_impl=args.attention_impl,
-    )
-    load_s = time.perf_counter() - t0
-    tok = llm.tokenizer
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        return bad(f"malformed JSON ({err.msg})")
+    if not isinstance(obj, dict):
+        return bad("must be a JSON object")
+    keys = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
+    if len(keys) != 1:
+        return bad("give one of prompt, prompt_token_ids, messages")
+    key = keys[0]
+    value = obj.pop(key)
+    if key == "messages" and not (
+        isinstance(value, list) and value and all(isinstance(m, dict) for m in value)
+    ):
+        return bad('messages must be a non-empty list of {"role", "content"} objects')
+    if key == "prompt" and chat:
+        value, key = [{"role": "user", "content": value}], "messages"
+    prompt = value if key in ("prompt", "messages") else {"prompt_token_ids": value}
+    unknown = set(obj) - set(SamplingParams.__dataclass_fields__)
+    if unknown:
+        return bad(
+            f"unknown fields {sorted(unknown)}; allowed: prompt, prompt_token_ids, messages "
+            f"and the SamplingParams fields {sorted(SamplingParams.__dataclass_fields__)}"
+        )
+    return Request(where, lineno, prompt, obj, None)
 
-    prompts, params, errors = [], [], {}
-    for i, (prompt, fields, err) in enumerate(requests):
-        if err is None:
-            try:
-                params.append(SamplingParams(**{**base, **fields}))
-                if isinstance(prompt, list):  # a chat
-                    if tok is None:
-                        raise ValueError("messages: this model has no tokenizer / chat template")
-                    ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-                    prompt = {"prompt_token_ids": ids}
-                prompts.append(prompt)
-                continue
-            except ValueError as e:
-                err = f"request {i}: {e}"
-                params = params[: len(prompts)]
-        errors[i] = err
 
-    t1 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress) if prompts else []
-    gen_s = time.perf_counter() - t1
+def check_model(model: str | None) -> None:
+    """What `models.load` accepts: None (the embedded model), a .gguf file, or a folder with
+    config.json (HF) or a jax-paged checkpoint. Anything else is a usage error."""
+    if model is None:
+        return
+    path = Path(model)
+    if not path.exists():
+        raise usage_error(f"--model {model}: no such file or folder")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise usage_error(f"--model {model}: expected a .gguf file or a model folder")
+    elif not path.is_dir():
+        raise usage_error(f"--model {model}: not a file or folder")
+    elif not ((path / "config.json").is_file() or (path / CHECKPOINT_MARKER).is_file()):
+        raise usage_error(
+            f"--model {model}: not a model folder (no config.json, no {CHECKPOINT_MARKER})"
+        )
 
-    sink = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
-    it = iter(outs)
-    n_err = 0
-    for i in range(len(requests)):
-        out = None if i in errors else next(it)
-        err = errors.get(i) or (out.error if out is not None else None)
-        n_err += err is not None
-        if sink is not None:
-            rec = {"index": i, "error": err}
+
+def open_output(name: str):
+    """--output opened for writing (truncated), or a usage error saying why it cannot be."""
+    path = Path(name)
+    if path.is_dir():
+        raise usage_error(f"--output {name} is a folder")
+    if not path.parent.is_dir():
+        raise usage_error(f"--output {name}: folder {path.parent} does not exist")
+    try:
+        return open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by main
+    except OSError as e:
+        raise usage_error(f"--output {name}: cannot write it ({e.strerror or e})") from e
+
+
+class Writer:
+    """Writes each result as it comes: a flushed JSON line on --output, else text on stdout
+    (errors on stderr). Counts what it wrote and ticks the progress bar."""
+
+    def __init__(self, requests: list[Request], sink, bar):
+        self.requests, self.sink, self.bar = requests, sink, bar
+        self.done = self.errors = self.tokens = 0
+
+    def _print(self, text: str, file) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=file)  # above the bar, not through it
+        else:
+            print(text, file=file)
+
+    def emit(self, i: int, error: str | None, out) -> None:
+        r = self.requests[i]
+        if error is not None:
+            error = f"{r.where}: {error}"
+        self.done += 1
+        self.errors += error is not None
+        if out is not None:
+            self.tokens += sum(len(c.token_ids) for c in out.outputs)
+        if self.sink is not None:
+            rec = {"index": i, "line": r.line, "error": error}
             if out is not None:
                 rec["prompt"] = out.prompt
                 rec["prompt_token_ids"] = out.prompt_token_ids
@@ -212,26 +256,106 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     for c in out.outputs
                 ]
-            sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        elif err is not None:
-            print(f"[{i}] error: {err}", file=sys.stderr)
+            self.sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            self.sink.flush()
+        elif error is not None:
+            self._print(f"[{i}] error: {error}", sys.stderr)
         else:
             for c in out.outputs:
                 tag = f"[{i}]" if len(out.outputs) == 1 else f"[{i}.{c.index}]"
-                print(f"{tag} {c.text}")
-    if sink is not None:
-        sink.close()
+                self._print(f"{tag} {c.text}", sys.stdout)
+        if self.bar is not None:
+            self.bar.update(1)
+
+
+def run(args, requests: list[Request], sink) -> int:
+    base = {f: getattr(args, f) for f in _SAMPLING_FLAGS}
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_decode_steps=args.max_decode_steps,
+            attention_impl=args.attention_impl,
+        )
+    except Exception as e:
+        name = args.model or "(the embedded default)"
+        raise Failure(f"cannot start the engine on model {name}: {describe_error(e)}") from e
+    load_s = time.perf_counter() - t0
+    tok = llm.tokenizer
+
+    # Each request either runs (prompts[k], params[k], request index at[k]) or fails here.
+    prompts, params, at, failed = [], [], [], []
+    for i, r in enumerate(requests):
+        err = r.error
+        if err is None:
+            try:
+                sp = SamplingParams(**{**base, **r.fields})
+                prompt = r.prompt
+                if isinstance(prompt, list):  # a chat
+                    if tok is None:
+                        raise ValueError("messages: this model has no tokenizer / chat template")
+                    try:
+                        ids = tok.apply_chat_template(
+                            prompt, add_generation_prompt=True, tokenize=True
+                        )
+                    except Exception as e:  # noqa: BLE001 - a template error is this request's
+                        raise ValueError(f"messages: {describe_error(e)}") from e
+                    prompt = {"prompt_token_ids": ids}
+            except Exception as e:  # noqa: BLE001 - a bad value is this request's error
+                err = describe_error(e)
+            else:
+                prompts.append(prompt)
+                params.append(sp)
+                at.append(i)
+                continue
+        failed.append((i, err))
+
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+    w = Writer(requests, sink, bar)
+    t1 = time.perf_counter()
+    try:
+        for i, err in failed:
+            w.emit(i, err, None)
+        if prompts:
+            with contextlib.closing(llm.iter_generate(prompts, params)) as results:
+                for k, out in results:
+                    w.emit(at[k], out.error, out)
+                    if bar is not None:
+                        m = llm.get_metrics()
+                        bar.set_postfix_str(f"{m['generation_tokens_per_s']:.1f} tok/s")
+    except (Exception, KeyboardInterrupt) as e:
+        stop = isinstance(e, KeyboardInterrupt)
+        kept = f" (written to {args.output})" if sink is not None else ""
+        raise Failure(
+            f"generation stopped after {w.done} of {len(requests)} requests{kept}: "
+            + ("interrupted" if stop else describe_error(e)),
+            130 if stop else 1,
+        ) from e
+    finally:
+        if bar is not None:
+            bar.close()
+    gen_s = time.perf_counter() - t1
 
     m = llm.get_metrics()
-    n_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     summary = dict(
         requests=len(requests),
-        errors=n_err,
-        output_tokens=n_tokens,
-        output_tokens_per_s=round(n_tokens / gen_s, 2) if gen_s > 0 else None,
+        errors=w.errors,
+        output_tokens=w.tokens,
+        output_tokens_per_s=round(w.tokens / gen_s, 2) if gen_s > 0 else None,
         # The same with the one-off compile time taken out (what a longer run converges to).
         output_tokens_per_s_after_compile=(
-            round(n_tokens / (gen_s - m["compile_seconds"]), 2)
+            round(w.tokens / (gen_s - m["compile_seconds"]), 2)
             if gen_s > m["compile_seconds"]
             else None
         ),
@@ -243,7 +367,37 @@ def main(argv: list[str] | None = None) -> int:
         preemptions=m["num_preemptions"],
     )
     print("summary: " + json.dumps(summary), file=sys.stderr)
-    return 1 if n_err == len(requests) and requests else 0
+    return 1 if w.errors == len(requests) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    sink = None
+    try:
+        # Everything the command line can get wrong is checked before the model loads.
+        requests = read_requests(args)
+        check_model(args.model)
+        sink = open_output(args.output) if args.output else None
+        return run(args, requests, sink)
+    except Failure as e:
+        if args.verbose and e.__cause__ is not None:
+            traceback.print_exception(e.__cause__)
+        message, code = str(e), e.code
+    except KeyboardInterrupt:
+        message, code = "interrupted", 130
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback, unless -v
+        if args.verbose:
+            traceback.print_exc()
+        message, code = describe_error(e), 1
+    finally:
+        if sink is not None:
+            sink.close()
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
