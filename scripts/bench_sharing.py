@@ -10,15 +10,16 @@ Three sections, all in one process:
    sampling (``SamplingParams(n=2, 4, 6)``) and beam search (``LLM.beam_search``, widths 2, 4,
    6) on ShareGPT-like and Alpaca-like synthetic workloads. Prompt and output lengths are drawn
    from log-normals whose means match the data sets (ShareGPT 161.31 in / 337.99 out, Alpaca
-   19.31 / 58.45; vLLM's filters: a side under 4 tokens, prompts over 1024, totals over 2048 are
-   redrawn), all lengths and the block size multiplied by ``--scale`` so that a CPU finishes
-   (the block size scales too, so a prompt spans as many blocks as at full size). Prompts are
-   random token ids, ``ignore_eos=True``, ``max_tokens`` = the drawn output length. Parallel
-   sampling runs on an engine with prefix caching off (the sharing is the fork of the siblings
-   after the shared prefill, copy-on-write of the partial last block) and one decode step per
-   call; beam search needs the prefix cache (each round's beams are requests whose common
-   prefix is found there) and runs the prompts of a workload together with ``max_tokens`` =
-   the workload's mean drawn output length (one `BeamSearchParams` per call).
+   19.31 / 58.45, after vLLM's filters: a side under 4 tokens, prompts over 1024, totals over
+   2048 are redrawn; `jax_paged.workloads`), all lengths and the block size multiplied by
+   ``--scale`` so that a CPU finishes (the block size scales too, so a prompt spans as many
+   blocks as at full size). Prompts are random token ids, ``ignore_eos=True``, ``max_tokens`` =
+   the drawn output length. Parallel sampling runs on an engine with prefix caching off (the
+   sharing is the fork of the siblings after the shared prefill, copy-on-write of the partial
+   last block) and one decode step per call; beam search needs the prefix cache (each round's
+   beams are requests whose common prefix is found there) and runs the prompts of a workload
+   together with ``max_tokens`` = the workload's mean drawn output length (one
+   `BeamSearchParams` per call).
 
    ``saving`` = 1 - physical / logical blocks, summed over the engine's model calls, read from
    the device block manager right after every call (before the slots finished in it are
@@ -53,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -71,13 +71,7 @@ import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
-
-# Mean lengths of the data sets (vLLM paper, OPT tokenizer) and the log-normal shapes used for
-# them (sigma of the log): ShareGPT is heavy-tailed, Alpaca's instructions are short and even.
-WORKLOADS = {
-    "sharegpt": dict(mean_in=161.31, mean_out=337.99, sigma_in=1.0, sigma_out=0.8),
-    "alpaca": dict(mean_in=19.31, mean_out=58.45, sigma_in=0.5, sigma_out=0.6),
-}
+from jax_paged.workloads import WORKLOADS, draw_lengths, random_prompts  # noqa: E402
 
 # Memory saved by sharing, OPT-13B [vLLM paper, Figure 15], in percent. ShareGPT is given as the
 # range over n = 2..6 (widths 2..6).
@@ -125,36 +119,6 @@ def load_model(name: str, dtype: str, max_len: int) -> models.LoadedModel:
         return tiny_model(max_len=max_len)
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
     return models.load(None if name == "smollm2" else name, dtype=dt)
-
-
-# ----------------------------------------------------------------------------------------------
-# Workloads
-
-
-def draw_lengths(rng, spec: dict, num: int, scale: float) -> list[tuple[int, int]]:
-    """``num`` (prompt, output) lengths from log-normals with the data set's means, times
-    ``scale``; vLLM's filters (scaled) redraw a side under 4 tokens, a prompt over 1024 and a
-    total over 2048."""
-    lo = max(1, round(4 * scale))
-    max_in, max_total = int(1024 * scale), int(2048 * scale)
-    out = []
-    while len(out) < num:
-        pair = []
-        for mean, sigma in (
-            (spec["mean_in"], spec["sigma_in"]),
-            (spec["mean_out"], spec["sigma_out"]),
-        ):
-            mu = math.log(mean * scale) - sigma**2 / 2  # E[exp(N(mu, s^2))] = mean * scale
-            pair.append(max(1, round(float(rng.lognormal(mu, sigma)))))
-        p, o = pair
-        if p < lo or o < lo or p > max_in or p + o > max_total:
-            continue
-        out.append((p, o))
-    return out
-
-
-def random_prompts(rng, lengths, vocab: int) -> list[dict]:
-    return [{"prompt_token_ids": rng.integers(0, vocab, n).tolist()} for n in lengths]
 
 
 # ----------------------------------------------------------------------------------------------
