@@ -221,6 +221,9 @@ class ContiguousEngine:
         self.max_decode_steps = int(max_decode_steps)
         self.kv_bytes = self.num_rows * self.max_model_len * per_tok
         self.eos_token_ids = [int(e) for e in loaded.generation_config.eos_token_ids or []]
+        tok = loaded.tokenizer
+        if not self.eos_token_ids and getattr(tok, "eos_token_id", None) is not None:
+            self.eos_token_ids = [int(tok.eos_token_id)]
         self.graphdef, self.state = nnx.split(loaded.model)
         shape = (cfg.num_layers, self.num_rows, self.max_model_len, cfg.num_kv_heads, cfg.head_dim)
         self.kv = (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))

@@ -36,6 +36,7 @@ __all__ = [
     "poisson_arrivals",
     "random_lengths",
     "random_prompts",
+    "with_new_ids",
 ]
 
 # Mean lengths of the data sets (vLLM paper, OPT tokenizer) and the log-normal shapes used for
@@ -167,6 +168,19 @@ def make_workload(
     prompts = random_prompts(rng, [p for p, _ in pairs], vocab)
     return [
         Request(prefix + d["prompt_token_ids"], o) for d, (_, o) in zip(prompts, pairs, strict=True)
+    ]
+
+
+def with_new_ids(requests: list[Request], rng, vocab: int, keep_prefix: int = 0) -> list[Request]:
+    """The same lengths with fresh random ids after the first ``keep_prefix`` tokens (a shared
+    system prompt stays shared): repeated runs of one shape that a prefix cache cannot serve."""
+    return [
+        Request(
+            r.prompt_token_ids[:keep_prefix]
+            + rng.integers(0, vocab, max(0, r.prompt_len - keep_prefix)).tolist(),
+            r.max_tokens,
+        )
+        for r in requests
     ]
 
 

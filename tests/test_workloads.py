@@ -72,6 +72,12 @@ def test_shared_prefix_and_unknown_name():
     prefix = reqs[0].prompt_token_ids[:64]
     assert all(r.prompt_token_ids[:64] == prefix for r in reqs)
     assert len({tuple(r.prompt_token_ids[64:]) for r in reqs}) == 8  # unique suffixes
+    fresh = wl.with_new_ids(reqs, np.random.default_rng(5), 500, keep_prefix=64)
+    assert [(r.prompt_len, r.max_tokens) for r in fresh] == [
+        (r.prompt_len, r.max_tokens) for r in reqs
+    ]
+    assert all(r.prompt_token_ids[:64] == prefix for r in fresh)
+    assert all(a.prompt_token_ids[64:] != b.prompt_token_ids[64:] for a, b in zip(fresh, reqs, strict=True))
     with pytest.raises(ValueError, match="not one of"):
         wl.make_workload("nope", np.random.default_rng(0), 1, 10)
 
