@@ -37,6 +37,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from jax_paged import inputs
 from jax_paged.outputs import LogprobsDict, describe_error
 from jax_paged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -236,7 +237,7 @@ def beam_search(
     states: list[_PromptState] = []
     for i, prompt in enumerate(prompts):
         try:
-            text, ids = engine._tokenize(prompt)
+            text, ids = inputs.parse_prompt(prompt, engine.tokenizer)
         except Exception as e:  # noqa: BLE001 - becomes this prompt's error
             text = prompt if isinstance(prompt, str) else None
             st = _PromptState(

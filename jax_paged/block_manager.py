@@ -1,5 +1,6 @@
-"""The functional block manager: KV-cache blocks, block tables, refcounts, copy-on-write and the
-prefix cache as a pytree of JAX arrays changed only by pure, vectorised functions.
+"""The functional block manager: KV-cache blocks, block tables, refcounts, copy-on-write, and
+the prefix cache's storage and eviction (its lookups and inserts: `prefix_cache`), as a pytree
+of JAX arrays changed only by pure, vectorised functions.
 
 Every op is `op(state, ...) -> (state, results...)`, jittable, usable inside `lax.scan` and
 `while_loop`, and vectorised over the batch with cumsums and scatters: the per-step cost grows
@@ -40,12 +41,12 @@ short, just enough of the least recently freed cached blocks are first evicted o
 (oldest on top, so they are handed out first, then the rest of the stack).
 
 Prefix cache: a full block's key is a 32-bit hash of its tokens chained with its parent's key
-(`block_hashes`), stored in a direct-mapped table of `hash_table_size` buckets. The hash only
-finds a candidate: a match also checks the block's stored tokens and that its stored parent is
-the block matched one position earlier, so by induction the whole prefix is equal token for
-token and a hash or bucket collision can only cost a miss, never give a request another
-request's K/V. (Parents outlive their cached children: a block's refcount is never below its
-cached child's, and within one `free` deeper logical blocks are queued first.)
+(`prefix_cache.block_hashes`), stored in a direct-mapped table of `hash_table_size` buckets.
+The hash only finds a candidate: a match also checks the block's stored tokens and that its
+stored parent is the block matched one position earlier, so by induction the whole prefix is
+equal token for token and a hash or bucket collision can only cost a miss, never give a
+request another request's K/V. (Parents outlive their cached children: a block's refcount is
+never below its cached child's, and within one `free` deeper logical blocks are queued first.)
 
 Costs: reserve, token_slots, free, fork, match and insert are O(S * P) (plus O(M * P * bs)
 token compares for match/insert). Eviction pops the queue in windows of `evict_chunk` entries,
@@ -68,10 +69,6 @@ NULL_BLOCK = 0
 
 _I32_MIN = np.iinfo(np.int32).min
 _I32_MAX = np.iinfo(np.int32).max
-_MIX_A = 0x85EBCA6B
-_MIX_B = 0xC2B2AE35
-_TOKEN_STEP = 0x9E3779B9
-_CHAIN = 0x01000193  # odd, so invertible mod 2**32
 
 
 @struct.dataclass
@@ -87,7 +84,7 @@ class BlockManagerState:
       num_free: i32[] size of the free stack.
       num_evictable: i32[] cached blocks with refcount 0 (reusable after eviction).
       cached: bool[N] block is in the prefix cache (full, keyed, findable by `match_prefix`).
-      block_hash: u32[N] chained key of a cached block (`block_hashes`).
+      block_hash: u32[N] chained key of a cached block (`prefix_cache.block_hashes`).
       block_parent: i32[N] physical block before a cached block in its sequence (0 for roots).
       block_tokens: i32[N, bs] token ids of a cached block (verified on every match).
       evict_queue: i32[C] ring (C = 2N) of evictable blocks, least recently freed first, from
@@ -223,41 +220,7 @@ def _first_occurrence(scratch, ids, valid, order, drop):
 
 
 # ---------------------------------------------------------------------------------------------
-# Hashing.
-
-
-def _mix32(x):
-    """murmur3's 32-bit finaliser (uint32 in, uint32 out)."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(_MIX_A)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(_MIX_B)
-    return x ^ (x >> 16)
-
-
-def block_hashes(tokens: jax.Array, block_size: int) -> jax.Array:
-    """Chained keys of the full blocks of token rows.
-
-    tokens: i32[..., K * block_size] -> u32[..., K]. With d_j a mix of block j's tokens and their
-    offsets, the chain is H_j = H_{j-1} * C + d_j (mod 2**32, H_{-1} = 0), key_j = mix(H_j). The
-    chain is linear, so all keys come from one cumsum: H_j = C**j * sum_{k<=j} d_k * C**-k.
-    """
-    *lead, length = tokens.shape
-    k = length // block_size
-    t = tokens[..., : k * block_size].reshape(*lead, k, block_size).astype(jnp.uint32)
-    offs = jnp.arange(block_size, dtype=jnp.uint32) * jnp.uint32(_TOKEN_STEP)
-    d = _mix32(t + offs).sum(-1, dtype=jnp.uint32)
-    d = _mix32(d)
-    c_pow = np.ones(k, np.uint64)
-    c_inv_pow = np.ones(k, np.uint64)
-    c_inv = pow(_CHAIN, -1, 1 << 32)
-    for j in range(1, k):
-        c_pow[j] = (int(c_pow[j - 1]) * _CHAIN) & 0xFFFFFFFF
-        c_inv_pow[j] = (int(c_inv_pow[j - 1]) * c_inv) & 0xFFFFFFFF
-    c_pow = jnp.asarray(c_pow.astype(np.uint32))
-    c_inv_pow = jnp.asarray(c_inv_pow.astype(np.uint32))
-    h = jnp.cumsum(d * c_inv_pow, axis=-1, dtype=jnp.uint32) * c_pow
-    return _mix32(h)
+# Hash-table buckets (the keys are `prefix_cache.block_hashes`).
 
 
 def _bucket(keys, table_size):
@@ -337,14 +300,6 @@ def _compact_queue(state: BlockManagerState) -> BlockManagerState:
 
 # ---------------------------------------------------------------------------------------------
 # Reserve and slots.
-
-
-@jax.jit
-def blocks_needed(state: BlockManagerState, num_new: jax.Array) -> jax.Array:
-    """i32[S]: blocks `reserve(state, num_new)` would take per slot (copy-on-write counted;
-    the last of several sharers all writing at once may take one fewer). 0 if it cannot fit in
-    the block table at all."""
-    return _plan(state, num_new)[4]
 
 
 def _plan(state, num_new):
@@ -546,123 +501,6 @@ def fork(
 
 # ---------------------------------------------------------------------------------------------
 # Prefix cache.
-
-
-@jax.jit
-def match_prefix(
-    state: BlockManagerState, slots: jax.Array, tokens: jax.Array, num_tokens: jax.Array
-) -> tuple[BlockManagerState, jax.Array, jax.Array]:
-    """Starts sequences in free slots from the longest cached prefix of their prompts.
-
-    slots: i32[M] free slots (-1 = padding row); tokens: i32[M, K] prompts, row i valid up to
-    num_tokens[i]. Matches whole blocks only, and at most (num_tokens - 1) // bs of them, so at
-    least one prompt token is left to compute (its logits are needed). The slot becomes live
-    with the matched blocks (references taken; evictable ones revived) and
-    seq_lens = matched blocks * bs, even when nothing matched.
-
-    Returns (state, num_cached_tokens i32[M], ok bool[M]); rows with ok False (slot out of
-    range, live, or repeated) change nothing and report 0 cached tokens.
-    """
-    s, p = state.block_tables.shape
-    n = state.num_blocks
-    bs = state.block_size
-    hsize = state.hash_table.shape[0]
-    slots = jnp.asarray(slots, jnp.int32)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    num_tokens = jnp.asarray(num_tokens, jnp.int32)
-    mm, length = tokens.shape
-    k = min(p, length // bs)
-    sc = jnp.clip(slots, 0, s - 1)
-    ok = (slots >= 0) & (slots < s) & ~state.live[sc]
-    _, ok = _first_occurrence(jnp.zeros(s, jnp.int32), slots, ok, jnp.arange(mm), s)
-
-    j = jnp.arange(k, dtype=jnp.int32)[None, :]
-    if k > 0:
-        keys = block_hashes(tokens[:, : k * bs], bs)  # [M, k]
-        cand = state.hash_table[_bucket(keys, hsize)]
-        prev = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), cand[:, :-1]], axis=1)
-        same = (state.block_tokens[cand] == tokens[:, : k * bs].reshape(mm, k, bs)).all(-1)
-        good = (cand != NULL_BLOCK) & state.cached[cand] & (state.block_hash[cand] == keys)
-        good &= same & (state.block_parent[cand] == prev)
-        good &= j < jnp.clip((num_tokens - 1) // bs, 0, k)[:, None]
-        matched = jnp.where(ok, jnp.cumprod(good, axis=1).sum(1, dtype=jnp.int32), 0)
-    else:
-        cand = jnp.zeros((mm, 0), jnp.int32)
-        matched = jnp.zeros(mm, jnp.int32)
-    ent = j < matched[:, None]
-    blocks = jnp.where(ent, cand, 0)
-    revive = ent & (state.ref_counts[cand] == 0)
-    scratch, first = _first_occurrence(  # revived blocks leave the queue: their entries go stale
-        state.queue_pos, cand, revive, jnp.arange(mm * k, dtype=jnp.int32).reshape(mm, k), n
-    )
-    rows = jnp.zeros((mm, p), jnp.int32).at[:, :k].set(blocks)
-    dst = jnp.where(ok, sc, s)
-    state = state.replace(
-        block_tables=state.block_tables.at[dst].set(rows, mode="drop"),
-        seq_lens=state.seq_lens.at[dst].set(matched * bs, mode="drop"),
-        live=state.live.at[dst].set(True, mode="drop"),
-        ref_counts=state.ref_counts.at[jnp.where(ent, cand, n)].add(1, mode="drop"),
-        num_evictable=state.num_evictable - first.sum(dtype=jnp.int32),
-        queue_pos=scratch,
-    )
-    return state, matched * bs, ok
-
-
-@jax.jit
-def cache_full_blocks(
-    state: BlockManagerState, slots: jax.Array, tokens: jax.Array, num_tokens: jax.Array
-) -> BlockManagerState:
-    """Adds the full blocks of live sequences to the prefix cache.
-
-    slots: i32[M] live slots (-1 = padding); tokens: i32[M, K] each sequence's tokens from
-    position 0, valid up to num_tokens[i], whose K/V must already be written. Every block fully
-    inside min(num_tokens, seq_lens) and not yet cached is keyed and inserted. A block is only
-    cached if all blocks before it in its sequence are (a chain stops at the first block whose
-    bucket holds another block; on a tie for an empty bucket the highest block id wins).
-    """
-    s, p = state.block_tables.shape
-    n = state.num_blocks
-    bs = state.block_size
-    hsize = state.hash_table.shape[0]
-    slots = jnp.asarray(slots, jnp.int32)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    num_tokens = jnp.asarray(num_tokens, jnp.int32)
-    mm, length = tokens.shape
-    k = min(p, length // bs)
-    if k == 0:
-        return state
-    sc = jnp.clip(slots, 0, s - 1)
-    ok = (slots >= 0) & (slots < s) & state.live[sc]
-    nfull = jnp.minimum(num_tokens, state.seq_lens[sc]) // bs
-    j = jnp.arange(k, dtype=jnp.int32)[None, :]
-    ent = ok[:, None] & (j < nfull[:, None])
-    blocks = state.block_tables[sc, :k]
-    keys = block_hashes(tokens[:, : k * bs], bs)
-    bucket = _bucket(keys, hsize)
-    already = ent & state.cached[blocks]
-    claim = ent & ~already & (state.hash_table[bucket] == 0)
-    table = state.hash_table.at[jnp.where(claim, bucket, hsize)].max(blocks, mode="drop")
-    won = claim & (table[bucket] == blocks)
-    chain = jnp.cumprod(already | won | ~ent, axis=1).astype(bool)
-    commit = won & chain
-    cached = state.cached.at[jnp.where(commit, blocks, n)].set(True, mode="drop")
-    revert = won & ~cached[blocks]
-    table = table.at[jnp.where(revert, bucket, hsize)].set(0, mode="drop")
-    parents = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), blocks[:, :-1]], axis=1)
-    cidx = jnp.where(commit, blocks, n)
-    return state.replace(
-        cached=cached,
-        hash_table=table,
-        block_hash=state.block_hash.at[cidx].set(keys, mode="drop"),
-        block_parent=state.block_parent.at[cidx].set(parents, mode="drop"),
-        block_tokens=state.block_tokens.at[cidx].set(
-            tokens[:, : k * bs].reshape(mm, k, bs), mode="drop"
-        ),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Host-side checks.
 
 
 def check_invariants(state: BlockManagerState) -> None:

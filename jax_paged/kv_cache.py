@@ -104,7 +104,8 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
 
-def _write(cache: KVCache, layer, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
+def scatter(cache: KVCache, layer, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
+    """The traceable form of `write` (call it inside your own jit; donate the cache there)."""
     bs = cache.block_size
     if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (cache.k.shape[1], cache.k.shape[4]):
         raise ValueError(
@@ -123,14 +124,15 @@ def _write(cache: KVCache, layer, k: jax.Array, v: jax.Array, slots: jax.Array) 
     )
 
 
-write = jax.jit(_write, donate_argnums=0)
+write = jax.jit(scatter, donate_argnums=0)
 write.__doc__ = """write(cache, layer, k[T,KVH,D], v[T,KVH,D], slots i32[T]) -> cache.
 
 Stores each token's K/V at its slot in layer `layer` (int, may be traced), in place (the cache
 is donated). Several tokens on one slot (padding, slot 0) leave one of them there."""
 
 
-def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """The traceable form of `copy_blocks` (call it inside your own jit)."""
     src = jnp.asarray(src, jnp.int32)
     dst = jnp.asarray(dst, jnp.int32)
     # Gather all sources first, then scatter: chains (a->b, b->c) copy the old contents.
@@ -141,7 +143,7 @@ def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     )
 
 
-copy_blocks = jax.jit(_copy_blocks, donate_argnums=0)
+copy_blocks = jax.jit(copy_pages, donate_argnums=0)
 copy_blocks.__doc__ = """copy_blocks(cache, src i32[M], dst i32[M]) -> cache.
 
 Copies physical block src[i] into dst[i] in every layer and KV head (the copy-on-write pairs of

@@ -275,7 +275,7 @@ class PagedDecoder:
         token_row = jnp.full(t, -1, jnp.int32).at[dest].set(rows, mode="drop")
 
         slots = bm.token_slots(blocks, token_row, positions)
-        attn = runner._paged_attn(
+        attn = runner.paged_attn(
             self.opts, slots, blocks.block_tables, blocks.seq_lens, cu, jnp.int32(b)
         )
         last_idx = jnp.maximum(cu[1:] - 1, 0)

@@ -32,6 +32,7 @@ from jax import lax
 
 from jax_paged import block_manager as bm
 from jax_paged import kv_cache as kvc
+from jax_paged import prefix_cache as pc
 from jax_paged import sampling
 from pallas_kernels import paged_attention
 
@@ -109,13 +110,13 @@ def _scatter_rows(tree, rows, idx, valid):
 def _copy_on_write(kv, res: bm.Reservation):
     return lax.cond(
         jnp.any(res.cow_src != res.cow_dst),
-        lambda kv: kvc._copy_blocks(kv, res.cow_src, res.cow_dst),
+        lambda kv: kvc.copy_pages(kv, res.cow_src, res.cow_dst),
         lambda kv: kv,
         kv,
     )
 
 
-def _paged_attn(
+def paged_attn(
     opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens=None, num_rows=None
 ):
     """The model's attention function over the paged cache (the model sees ``B == 1``).
@@ -128,7 +129,7 @@ def _paged_attn(
         # `layer` is the traced counter of the model's layer scan and `kv` its carry: the
         # write scatters into the stacked pages in place and the kernel reads them through the
         # index (a `kv.k[layer]` slice would copy the layer's whole pool every step).
-        kv = kvc._write(kv, layer, k[0], v[0], slots)
+        kv = kvc.scatter(kv, layer, k[0], v[0], slots)
         out = paged_attention(
             q[0],
             kv.k,
@@ -200,7 +201,7 @@ def mixed_step(
     block_tables = blocks.block_tables[safe_slot]
     kv_lens = jnp.where(row_valid, blocks.seq_lens[safe_slot], 0)
 
-    attn = _paged_attn(opts, slots, block_tables, kv_lens, batch.cu_q_lens, batch.num_rows)
+    attn = paged_attn(opts, slots, block_tables, kv_lens, batch.cu_q_lens, batch.num_rows)
     hidden_idx = batch.last_idx if prompt_logprobs_k < 0 else None
     logits, kv = model.forward(
         batch.tokens[None], batch.positions[None], attn, kv, logits_indices=hidden_idx
@@ -282,7 +283,7 @@ def decode_step(
     slots = bm.token_slots(blocks, jnp.where(ok, row_slot, -1), positions)
     block_tables = blocks.block_tables[safe_slot]
     kv_lens = jnp.where(ok, blocks.seq_lens[safe_slot], 0)
-    attn = _paged_attn(opts, slots, block_tables, kv_lens)
+    attn = paged_attn(opts, slots, block_tables, kv_lens)
     logits, kv = model.forward(last_tokens[None], jnp.maximum(positions, 0)[None], attn, kv)
     rows = _gather_rows(state.sampling, safe_slot)
     out = sampling.sample(
@@ -376,13 +377,7 @@ def decode_loop(
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def free_slots(state: DeviceState, mask: jax.Array) -> DeviceState:
-    """Frees the sequences in the slots ``mask`` (bool[S])."""
-    return state.replace(blocks=bm.free(state.blocks, mask))
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def maintain(
+def prepare(
     state: DeviceState,
     cache_slots: jax.Array,
     cache_tokens: jax.Array,
@@ -390,29 +385,27 @@ def maintain(
     free_mask: jax.Array,
     fork_parent: jax.Array,
     fork_child: jax.Array,
-) -> tuple[DeviceState, jax.Array]:
-    """Between steps, in this order: add full blocks to the prefix cache, free slots, fork.
+    lookup_tokens: jax.Array,
+    lookup_len: jax.Array,
+) -> tuple[DeviceState, jax.Array, jax.Array, jax.Array]:
+    """Between steps, in this order: add full blocks to the prefix cache, free slots, fork,
+    and look up (without taking anything) the prompts of sequences that may be admitted next.
 
     Args:
       cache_slots: i32[M] live slots whose full blocks to cache (-1 = padding);
         cache_tokens: i32[M, K] their tokens from position 0; cache_len: i32[M] how many.
-      free_mask: bool[S] slots to free (finished, aborted).
+      free_mask: bool[S] slots to free (finished, aborted, preempted).
       fork_parent, fork_child: i32[F] slot pairs (-1 = padding): the child shares all the
         parent's blocks.
+      lookup_tokens: i32[M, K] prompts to look up; lookup_len: i32[M] their lengths (0 =
+        padding).
 
     Returns:
-      (state, free blocks i32[]).
+      (state, free blocks i32[], cached tokens i32[M] and evictable blocks among them i32[M]
+      per looked-up prompt: `prefix_cache.lookup_prefix`).
     """
-    blocks = bm.cache_full_blocks(state.blocks, cache_slots, cache_tokens, cache_len)
+    blocks = pc.cache_full_blocks(state.blocks, cache_slots, cache_tokens, cache_len)
     blocks = bm.free(blocks, free_mask)
     blocks, _ = bm.fork(blocks, fork_parent, fork_child)
-    return state.replace(blocks=blocks), bm.num_free_blocks(blocks)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def match_prefix(state: DeviceState, slot: jax.Array, tokens: jax.Array, num_tokens: jax.Array):
-    """Starts a sequence in free slot ``slot`` (i32[1]) from the longest cached prefix of
-    ``tokens`` (i32[1, K], ``num_tokens`` i32[1] valid). Returns (state, cached tokens i32[1],
-    free blocks i32[])."""
-    blocks, cached, _ = bm.match_prefix(state.blocks, slot, tokens, num_tokens)
-    return state.replace(blocks=blocks), cached, bm.num_free_blocks(blocks)
+    hit, revive = pc.lookup_prefix(blocks, lookup_tokens, lookup_len)
+    return state.replace(blocks=blocks), bm.num_free_blocks(blocks), hit, revive

@@ -1,9 +1,12 @@
 """Continuous-batching scheduler: which tokens of which sequences run in the next step.
 
-The scheduler is plain host Python. It never touches the device block manager; it keeps only
-the counts it needs to decide (free blocks, blocks held per sequence), refreshed from the
-device after every step. Allocation itself happens on the device, inside the compiled step,
-and cannot fail there because the scheduler only schedules what the free blocks can hold.
+The scheduler is plain host Python. It never touches the device block manager; it plans
+against the free-block count the device last reported (after every device call), less what it
+grants, and a per-sequence block count. Allocation itself happens on the device, inside the
+compiled step. The plan is a bound, not a promise: blocks shared with other sequences (n > 1,
+prefix hits) may free fewer blocks than the host counted, so the device may refuse a chunk;
+a refusal is part of the contract (the step reports it per row and the engine preempts that
+sequence, which recomputes later), and it never corrupts the block manager.
 
 Every sequence computes the tokens ``all_tokens[num_computed:]`` (its prompt, then each
 sampled token). A step gives it a chunk of them::
@@ -32,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 
@@ -79,6 +81,10 @@ class Sequence:
     prefill_cap: int | None = None
     cow_pending: bool = False
     needs_row_init: bool = False
+    # Prefix cache, as the device's last lookup found it for this waiting sequence: tokens it
+    # would start from, and how many of those blocks are evictable (taken from the free pool).
+    prefix_hit: int = 0
+    prefix_revive: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +105,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed before the step)
     length: int  # tokens computed this step
+    need: int = 0  # free blocks granted for it (copy-on-write included)
 
     @property
     def samples(self) -> bool:
@@ -108,8 +115,13 @@ class ScheduledChunk:
 
 @dataclasses.dataclass
 class SchedulerOutput:
+    """One step's plan. ``fresh``: chunks of sequences admitted from the prefix cache;
+    ``admitted``: the sequences taken from the waiting queue."""
+
     chunks: list[ScheduledChunk]
     preempted: list[Sequence]
+    fresh: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+    admitted: list[Sequence] = dataclasses.field(default_factory=list)  # from the waiting queue
 
     @property
     def num_tokens(self) -> int:
@@ -206,17 +218,22 @@ class Scheduler:
         cow = seq.cow_pending and length > 0 and seq.num_computed % bs != 0
         return need + int(cow)
 
-    def schedule(self, match: Callable[[Sequence], tuple[int, int]] | None = None):
-        """Picks this step's chunks.
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's chunks (host arithmetic only, no device call).
 
-        Args:
-          match: prefix-cache lookup for a sequence being admitted with nothing computed (its
-            ``slot`` is set): returns (tokens found in the cache, free blocks afterwards). The
-            sequence then starts from the cached tokens.
+        A waiting sequence with ``prefix_hit`` tokens found in the prefix cache (by the
+        device's lookup just before; the caller clears the hints after this call, as any
+        later step can evict) is admitted from there: its chunk starts after them and
+        its block need counts the evictable cached blocks it revives. Those admissions are in
+        ``fresh``; the device must start them from the cache before the step
+        (`prefix_cache.match_prefix`, which finds the same blocks: nothing changes the cache
+        in between).
         """
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
+        fresh: list[ScheduledChunk] = []
+        admitted: list[Sequence] = []
         self.running.sort(key=lambda s: s.seq_id)
 
         i = 0
@@ -239,34 +256,40 @@ class Scheduler:
             budget -= length
             i += 1
 
+        bs = self.block_size
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
-            length = min(self._limit(seq), budget)
-            # Admit only if the chunk fits even with no prefix-cache hit: a hit never needs more.
-            if self._need(seq, length) > self.num_free_blocks:
+            hit = seq.prefix_hit if seq.num_computed == 0 else 0
+            length = max(0, min(self._limit(seq) - hit, budget))
+            need = blocks_for(hit + length, bs) - hit // bs
+            revive = seq.prefix_revive if hit else 0
+            if need + revive > self.num_free_blocks:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.slot = self.free_slots.pop()
             seq.needs_row_init = True
             self.running.append(seq)
-            if match is not None and seq.num_computed == 0:
-                cached, self.num_free_blocks = match(seq)
-                seq.num_cached_tokens = cached
-                seq.num_computed = cached
-                seq.num_blocks = cached // self.block_size
-                length = min(self._limit(seq), budget)
-                # Reviving cached blocks may have taken free ones: shrink the chunk to fit.
-                room = (seq.num_blocks + self.num_free_blocks) * self.block_size
-                length = min(length, room - seq.num_computed)
-            self._grant(seq, length, self._need(seq, length), chunks)
+            admitted.append(seq)
+            if hit:
+                seq.num_computed = seq.num_cached_tokens = hit
+                seq.num_blocks = hit // bs
+                self.num_free_blocks -= revive
+            self._grant(seq, length, need, chunks)
+            if hit:
+                fresh.append(chunks[-1])
             budget -= length
-        return SchedulerOutput(chunks=chunks, preempted=preempted)
+        return SchedulerOutput(chunks=chunks, preempted=preempted, fresh=fresh, admitted=admitted)
+
+    def started_from_cache(self, chunks: list[ScheduledChunk], num_free: int) -> None:
+        """The device has started the ``fresh`` sequences from the prefix cache and reports
+        ``num_free`` free blocks: the free count becomes that, less the step's grants."""
+        self.num_free_blocks = num_free - sum(c.need for c in chunks)
 
     def _grant(self, seq: Sequence, length: int, need: int, chunks: list) -> None:
-        chunks.append(ScheduledChunk(seq=seq, start=seq.num_computed, length=length))
+        chunks.append(ScheduledChunk(seq=seq, start=seq.num_computed, length=length, need=need))
         seq.num_blocks += need - int(seq.cow_pending and seq.num_computed % self.block_size != 0)
         seq.cow_pending = False
         self.num_free_blocks -= need

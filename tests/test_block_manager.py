@@ -9,6 +9,7 @@ import pytest
 from block_manager_ref import block_keys
 
 from jax_paged import block_manager as bm
+from jax_paged import prefix_cache as pc
 
 
 def _bt(state):
@@ -151,7 +152,7 @@ def _match(st, slot, toks, n=None):
     row = np.zeros((1, 16), np.int32)
     row[0, : len(toks)] = toks
     n = len(toks) if n is None else n
-    st, cached, ok = bm.match_prefix(st, jnp.array([slot]), row, jnp.array([n]))
+    st, cached, ok = pc.match_prefix(st, jnp.array([slot]), row, jnp.array([n]))
     bm.check_invariants(st)
     return st, int(cached[0]), bool(ok[0])
 
@@ -159,7 +160,7 @@ def _match(st, slot, toks, n=None):
 def _insert(st, slot, toks):
     row = np.zeros((1, 16), np.int32)
     row[0, : len(toks)] = toks
-    st = bm.cache_full_blocks(st, jnp.array([slot]), row, jnp.array([len(toks)]))
+    st = pc.cache_full_blocks(st, jnp.array([slot]), row, jnp.array([len(toks)]))
     bm.check_invariants(st)
     return st
 
@@ -210,23 +211,23 @@ def test_collisions_cannot_give_another_prefix_s_kv():
     st = bm.free(st, jnp.array([True, True, False, False]))
     # Forge a full 32-bit collision: the key of (B, C)'s second block now finds block 2
     # (tokens C, but extending A, not B).
-    key = int(bm.block_hashes(jnp.array(_prompt(B, C)), 4)[1])
+    key = int(pc.block_hashes(jnp.array(_prompt(B, C)), 4)[1])
     bucket = key & (st.hash_table.shape[0] - 1)
     st = st.replace(
         hash_table=st.hash_table.at[bucket].set(2).at[int(st.block_hash[2]) & 15].set(0),
         block_hash=st.block_hash.at[2].set(key),
     )
-    st, cached, _ = bm.match_prefix(
+    st, cached, _ = pc.match_prefix(
         st, jnp.array([2]), jnp.array([_prompt(B, C, [0, 0, 0, 0])]), jnp.array([9])
     )
     assert int(cached[0]) == 4  # B from block 3; block 2 rejected: its parent is 1, not 3
     # Same with a token mismatch: the key of (A, D) finds block 2 (A, C).
-    key = int(bm.block_hashes(jnp.array(_prompt(A, D)), 4)[1])
+    key = int(pc.block_hashes(jnp.array(_prompt(A, D)), 4)[1])
     st = st.replace(
         hash_table=st.hash_table.at[key & (st.hash_table.shape[0] - 1)].set(2),
         block_hash=st.block_hash.at[2].set(key),
     )
-    st, cached, _ = bm.match_prefix(
+    st, cached, _ = pc.match_prefix(
         st, jnp.array([3]), jnp.array([_prompt(A, D, [0, 0, 0, 0])]), jnp.array([9])
     )
     assert int(cached[0]) == 4
@@ -235,12 +236,12 @@ def test_collisions_cannot_give_another_prefix_s_kv():
 def test_block_hashes_match_the_python_chain():
     rng = np.random.default_rng(0)
     toks = rng.integers(-5, 50_000, (3, 40)).astype(np.int32)
-    got = np.asarray(bm.block_hashes(jnp.asarray(toks), 8))
+    got = np.asarray(pc.block_hashes(jnp.asarray(toks), 8))
     for r in range(3):
         assert got[r].tolist() == block_keys(toks[r].tolist(), 8)
     # Chained: equal blocks after different prefixes get different keys.
-    a = bm.block_hashes(jnp.array(_prompt(A, C)), 4)
-    b = bm.block_hashes(jnp.array(_prompt(B, C)), 4)
+    a = pc.block_hashes(jnp.array(_prompt(A, C)), 4)
+    b = pc.block_hashes(jnp.array(_prompt(B, C)), 4)
     assert a[1] != b[1]
 
 
@@ -248,7 +249,7 @@ def test_100_decode_steps_in_scan_equal_100_calls():
     st = bm.init_state(24, 4, 6, 8, evict_chunk=2)
     st, *_ = _reserve(st, [5, 9, 3, 0, 0, 0])
     toks = jnp.arange(64, dtype=jnp.int32).reshape(2, 32)
-    st = bm.cache_full_blocks(st, jnp.array([0, 1]), toks, jnp.array([5, 9]))
+    st = pc.cache_full_blocks(st, jnp.array([0, 1]), toks, jnp.array([5, 9]))
     st = bm.free(st, jnp.array([True, False, False, False, False, False]))
     st, _ = bm.fork(st, jnp.array([1, 2, 2]), jnp.array([3, 4, 5]))
     rng = np.random.default_rng(0)

@@ -19,6 +19,7 @@ import pytest
 from block_manager_ref import RefBlockManager, block_keys
 
 from jax_paged import block_manager as bm
+from jax_paged import prefix_cache as pc
 
 M = 2  # rows per fork / match call
 
@@ -86,8 +87,8 @@ class Harness:
         self.slots = jax.jit(bm.token_slots)
         self.free = jax.jit(bm.free)
         self.fork = jax.jit(bm.fork)
-        self.match = jax.jit(bm.match_prefix)
-        self.insert = jax.jit(bm.cache_full_blocks)
+        self.match = jax.jit(pc.match_prefix)
+        self.insert = jax.jit(pc.cache_full_blocks)
         self.t = t
         self.counts: dict[str, int] = {}
 
@@ -198,7 +199,17 @@ class Harness:
         prompts = [self._new_prompt() for _ in range(M)]
         toks = np.stack([self._row(t) for t in prompts])
         nt = np.array([len(t) for t in prompts], np.int32)
+        # The side-effect-free lookup finds what matching then takes: the same tokens, and the
+        # evictable blocks it revives leave the free count.
+        hit, revive = pc.lookup_prefix(self.state, toks, nt)
+        free_before = int(bm.num_free_blocks(self.state))
         self.state, cached, ok = self.match(self.state, slots, toks, nt)
+        okn = np.asarray(ok)
+        assert np.asarray(cached)[okn].tolist() == np.asarray(hit)[okn].tolist()
+        taken = free_before - int(bm.num_free_blocks(self.state))
+        assert taken <= int(np.asarray(revive)[okn].sum())  # rows may revive a block twice
+        if okn.sum() == 1:
+            assert taken == int(np.asarray(revive)[okn].sum())
         ref_cached, ref_ok = self.ref.match_prefix(slots.tolist(), [list(t) for t in toks], nt)
         assert np.asarray(ok).tolist() == ref_ok
         assert np.asarray(cached).tolist() == ref_cached

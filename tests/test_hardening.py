@@ -107,7 +107,7 @@ def test_iter_generate_stopped_early_aborts_the_rest(llm):
 
 def _inject_fault(monkeypatch, engine, kind: str, nth: int):
     """The ``nth`` compiled call of ``kind`` runs (consuming the donated state), then raises."""
-    real = engine._call
+    real = engine.runner.call
     seen = []
 
     def call(k, fn, key, args, static):
@@ -118,11 +118,11 @@ def _inject_fault(monkeypatch, engine, kind: str, nth: int):
                 raise RuntimeError(f"injected fault in {kind}")
         return out
 
-    monkeypatch.setattr(engine, "_call", call)
+    monkeypatch.setattr(engine.runner, "call", call)
     return seen
 
 
-@pytest.mark.parametrize(("kind", "nth"), [("mixed", 1), ("mixed", 3), ("decode", 1)])
+@pytest.mark.parametrize(("kind", "nth"), [("mixed", 1), ("mixed", 3), ("decode", 1), ("admit", 2)])
 def test_failing_device_step_fails_only_its_requests(llm, reference, monkeypatch, kind, nth):
     prompts, sp, ref = reference
     engine = llm.engine
@@ -147,13 +147,14 @@ def test_failing_device_step_fails_only_its_requests(llm, reference, monkeypatch
 
 
 def test_failing_bookkeeping_call_fails_no_request(llm, reference, monkeypatch):
-    """A fault in the between-steps call (free, cache, fork) belongs to no request: everyone
-    re-prefills and finishes with the same output."""
+    """A fault in the call before scheduling (cache, free, fork, prefix lookup) belongs to no
+    request: everyone re-prefills and finishes with the same output."""
     prompts, sp, ref = reference
-    _inject_fault(monkeypatch, llm.engine, "maintain", 1)
+    _inject_fault(monkeypatch, llm.engine, "prepare", 2)
     outs = llm.generate([_ids(p) for p in prompts], sp)
     assert [o.error for o in outs] == [None] * len(outs)
     assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.get_metrics()["num_step_failures"] >= 1
     monkeypatch.undo()
     _assert_clean(llm)
 
@@ -190,3 +191,45 @@ def test_limit_on_n_and_beam_width_and_the_rejection_counter(llm):
         llm.beam_search([_ids([5, 6])], BeamSearchParams(beam_width=9, max_tokens=4))
     with pytest.raises(ValueError, match="max_n"):
         LLM(llm.engine.loaded, max_n=0)
+
+
+def test_device_calls_per_step(tiny_llama):
+    """Admitting 16 requests that hit the prefix cache costs a fixed number of device calls
+    (one lookup for all, not one each); a steady decode phase makes one call per step."""
+    path, _ = tiny_llama
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_seqs=16, max_decode_steps=4)
+    engine = llm.engine
+    shared = _prompts(1, seed=7, lo=40, hi=41)[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate(_ids(shared + [3]), sp)  # caches the shared prefix's blocks
+    for i in range(16):
+        engine.add_request(f"r{i}", _ids(shared + [4 + i, 5]), sp)
+    calls = []
+    while engine.has_unfinished_requests():
+        before = engine.get_metrics()
+        engine.step()
+        after = engine.get_metrics()
+        calls.append(after["num_device_calls"] - before["num_device_calls"])
+        if len(calls) == 1:
+            assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 16 * 40
+    # The admission step: prepare (free + one lookup for all 16), set the rows, the step.
+    assert calls[0] == 3
+    # Then decode only, 4 tokens per call, one call a step (the last adds the final free).
+    assert calls[1:-1] == [1] * (len(calls) - 2) and len(calls) >= 3
+    assert calls[-1] == 2
+    assert engine.get_metrics()["device_calls_per_step"] > 0
+
+
+def test_cached_heads_filter_is_bounded(tiny_llama):
+    """The host's filter of first blocks ever cached stops growing: past its bound it is
+    dropped and every waiting prompt is looked up, hits still found."""
+    path, _ = tiny_llama
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4, max_num_seqs=4)
+    llm.engine._max_cached_heads = 3
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompts = _prompts(5, seed=11, lo=10, hi=11)
+    llm.generate([_ids(p) for p in prompts], sp)
+    assert llm.engine._cached_heads is None
+    out = llm.generate(_ids(prompts[0] + [9, 9]), sp)[0]
+    assert out.num_cached_tokens == 8
+    _assert_clean(llm)

@@ -95,8 +95,8 @@ def test_engine_programs_do_not_copy_the_pool():
     prompts = [{"prompt_token_ids": rng.integers(3, 256, size=n).tolist()} for n in (5, 9, 3)]
     # n = 2 forks share the prompt's partial block, so copy-on-write runs inside the programs.
     llm.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True))
-    kinds = {key[0] for key in llm.engine._compiled}
+    kinds = {key[0] for key in llm.engine.runner.compiled}
     assert {"decode", "mixed"} <= kinds
-    for key, compiled in llm.engine._compiled.items():
+    for key, compiled in llm.engine.runner.compiled.items():
         bad = _large_buffers(compiled.as_text())
         assert not bad, f"{key[0]} materialises pool-sized buffers:\n" + "\n".join(bad)

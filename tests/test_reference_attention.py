@@ -16,7 +16,6 @@ import pytest
 from pallas_kernels import (
     paged_attention_decode_reference,
     ragged_paged_attention_reference,
-    write_kv,
 )
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -401,64 +400,3 @@ def test_reference_jits_once_per_shape():
     b = f(q, case.kv_lens - 1)  # new lengths, same shapes: no retrace
     assert f._cache_size() == 1
     assert not np.allclose(a, b)
-
-
-# ---------------------------------------------------------------------------------------------
-# write_kv
-# ---------------------------------------------------------------------------------------------
-
-
-def test_write_kv_scatters_to_slots():
-    kvh, n, bs, d = 2, 4, 4, 3
-    kp = jnp.zeros((kvh, n, bs, d), jnp.bfloat16)
-    vp = jnp.zeros((kvh, n, bs, d), jnp.bfloat16)
-    k = jnp.arange(3 * kvh * d, dtype=jnp.float32).reshape(3, kvh, d) + 1
-    # slot = block * bs + offset: 9 -> block 2 offset 1; 12 -> block 3 offset 0; 1 -> block 0
-    # offset 1 (a padding token writing into the null block).
-    slots = jnp.array([9, 12, 1], jnp.int32)
-    kp2, vp2 = write_kv(kp, vp, k, -k, slots)
-    assert kp2.dtype == jnp.bfloat16 and kp2.shape == kp.shape
-    np.testing.assert_array_equal(kp2[:, 2, 1], k[0].astype(jnp.bfloat16))
-    np.testing.assert_array_equal(kp2[:, 3, 0], k[1].astype(jnp.bfloat16))
-    np.testing.assert_array_equal(vp2[:, 3, 0], -k[1].astype(jnp.bfloat16))
-    written = np.zeros((n, bs), bool)
-    written[2, 1] = written[3, 0] = written[0, 1] = True
-    np.testing.assert_array_equal(np.asarray(kp2[:, ~written]), 0)
-
-
-def test_write_kv_then_reference_reads_it_back_under_donation():
-    rng = np.random.default_rng(5)
-    kvh, n, bs, d, h = 2, 6, 4, 8, 4
-    kp = jnp.zeros((kvh, n, bs, d), jnp.float32)
-    vp = jnp.zeros((kvh, n, bs, d), jnp.float32)
-    k = rng.normal(size=(6, kvh, d))
-    v = rng.normal(size=(6, kvh, d))
-    table = np.array([[5, 2, 0]], np.int32)  # 6 tokens: block 5 (pos 0-3), block 2 (pos 4-5)
-    slots = np.array([table[0, p // bs] * bs + p % bs for p in range(6)], np.int32)
-
-    @jax.jit
-    def step(kp, vp):
-        return write_kv(kp, vp, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), slots)
-
-    step = jax.jit(step, donate_argnums=(0, 1))
-    kp, vp = step(kp, vp)
-    q, q64 = rand_q(rng, (1, h, d), jnp.float32)
-    out = paged_attention_decode_reference(
-        q, kp, vp, jnp.asarray(table), jnp.array([6], jnp.int32), scale=0.5
-    )
-    want = dense_attention(q64, k, v, np.array([5]), scale=0.5)
-    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
-
-
-@pytest.mark.parametrize(
-    "k_shape,slots_shape,match",
-    [
-        ((3, 2, 4), (2,), "k.shape"),
-        ((3, 2, 4), (3, 1), "slots.shape"),
-        ((3, 1, 4), (3,), "k.shape"),
-    ],
-)
-def test_write_kv_rejects_bad_shapes(k_shape, slots_shape, match):
-    kp = jnp.zeros((2, 4, 4, 4))
-    with pytest.raises(ValueError, match=match):
-        write_kv(kp, kp, jnp.zeros(k_shape), jnp.zeros(k_shape), jnp.zeros(slots_shape, jnp.int32))

@@ -77,7 +77,9 @@ def test_shared_prefix_and_unknown_name():
         (r.prompt_len, r.max_tokens) for r in reqs
     ]
     assert all(r.prompt_token_ids[:64] == prefix for r in fresh)
-    assert all(a.prompt_token_ids[64:] != b.prompt_token_ids[64:] for a, b in zip(fresh, reqs, strict=True))
+    assert all(
+        a.prompt_token_ids[64:] != b.prompt_token_ids[64:] for a, b in zip(fresh, reqs, strict=True)
+    )
     with pytest.raises(ValueError, match="not one of"):
         wl.make_workload("nope", np.random.default_rng(0), 1, 10)
 

@@ -1,0 +1,203 @@
+"""The prefix cache on top of the block manager: full blocks keyed by their tokens and their
+parent's key, looked up and matched by new prompts, inserted as sequences fill blocks.
+
+Keys: a full block's key is a 32-bit hash of its tokens chained with its parent's key
+(`block_hashes`), stored in the block manager's direct-mapped table (`hash_table`). The hash
+only finds a candidate; a match also checks the block's stored tokens and that its stored
+parent is the block matched one position earlier (see `block_manager`'s docstring), so a
+collision can only cost a miss. Cached blocks that no sequence holds are evictable: the block
+manager's `reserve` evicts them least recently freed first when the free stack runs dry.
+
+All ops are pure and jittable, ``op(state, ...) -> (state, results...)`` on a
+`block_manager.BlockManagerState`, O(M * P * bs) for M prompts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_paged.block_manager import (
+    NULL_BLOCK,
+    BlockManagerState,
+    _bucket,
+    _first_occurrence,
+)
+
+_MIX_A = 0x85EBCA6B
+_MIX_B = 0xC2B2AE35
+_TOKEN_STEP = 0x9E3779B9
+_CHAIN = 0x01000193  # odd, so invertible mod 2**32
+
+
+def _mix32(x):
+    """murmur3's 32-bit finaliser (uint32 in, uint32 out)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(_MIX_A)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(_MIX_B)
+    return x ^ (x >> 16)
+
+
+def block_hashes(tokens: jax.Array, block_size: int) -> jax.Array:
+    """Chained keys of the full blocks of token rows.
+
+    tokens: i32[..., K * block_size] -> u32[..., K]. With d_j a mix of block j's tokens and their
+    offsets, the chain is H_j = H_{j-1} * C + d_j (mod 2**32, H_{-1} = 0), key_j = mix(H_j). The
+    chain is linear, so all keys come from one cumsum: H_j = C**j * sum_{k<=j} d_k * C**-k.
+    """
+    *lead, length = tokens.shape
+    k = length // block_size
+    t = tokens[..., : k * block_size].reshape(*lead, k, block_size).astype(jnp.uint32)
+    offs = jnp.arange(block_size, dtype=jnp.uint32) * jnp.uint32(_TOKEN_STEP)
+    d = _mix32(t + offs).sum(-1, dtype=jnp.uint32)
+    d = _mix32(d)
+    c_pow = np.ones(k, np.uint64)
+    c_inv_pow = np.ones(k, np.uint64)
+    c_inv = pow(_CHAIN, -1, 1 << 32)
+    for j in range(1, k):
+        c_pow[j] = (int(c_pow[j - 1]) * _CHAIN) & 0xFFFFFFFF
+        c_inv_pow[j] = (int(c_inv_pow[j - 1]) * c_inv) & 0xFFFFFFFF
+    c_pow = jnp.asarray(c_pow.astype(np.uint32))
+    c_inv_pow = jnp.asarray(c_inv_pow.astype(np.uint32))
+    h = jnp.cumsum(d * c_inv_pow, axis=-1, dtype=jnp.uint32) * c_pow
+    return _mix32(h)
+
+
+def _lookup(state: BlockManagerState, tokens, num_tokens) -> tuple[jax.Array, jax.Array]:
+    """(candidate blocks i32[M, k], matched blocks i32[M]): the cached chain of each prompt's
+    whole blocks, at most (num_tokens - 1) // bs of them."""
+    p = state.block_tables.shape[1]
+    bs = state.block_size
+    tokens = jnp.asarray(tokens, jnp.int32)
+    num_tokens = jnp.asarray(num_tokens, jnp.int32)
+    mm, length = tokens.shape
+    k = min(p, length // bs)
+    if k == 0:
+        return jnp.zeros((mm, 0), jnp.int32), jnp.zeros(mm, jnp.int32)
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    keys = block_hashes(tokens[:, : k * bs], bs)  # [M, k]
+    cand = state.hash_table[_bucket(keys, state.hash_table.shape[0])]
+    prev = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), cand[:, :-1]], axis=1)
+    same = (state.block_tokens[cand] == tokens[:, : k * bs].reshape(mm, k, bs)).all(-1)
+    good = (cand != NULL_BLOCK) & state.cached[cand] & (state.block_hash[cand] == keys)
+    good &= same & (state.block_parent[cand] == prev)
+    good &= j < jnp.clip((num_tokens - 1) // bs, 0, k)[:, None]
+    return cand, jnp.cumprod(good, axis=1).sum(1, dtype=jnp.int32)
+
+
+@jax.jit
+def lookup_prefix(
+    state: BlockManagerState, tokens: jax.Array, num_tokens: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """What `match_prefix` would find, changing nothing: tokens: i32[M, K] prompts, row i
+    valid up to num_tokens[i]. Returns (cached tokens i32[M], blocks i32[M] among them that are
+    evictable now, i.e. that matching would take out of the free pool)."""
+    cand, matched = _lookup(state, tokens, num_tokens)
+    ent = jnp.arange(cand.shape[1], dtype=jnp.int32)[None, :] < matched[:, None]
+    revive = (ent & (state.ref_counts[cand] == 0)).sum(1, dtype=jnp.int32)
+    return matched * state.block_size, revive
+
+
+@jax.jit
+def match_prefix(
+    state: BlockManagerState, slots: jax.Array, tokens: jax.Array, num_tokens: jax.Array
+) -> tuple[BlockManagerState, jax.Array, jax.Array]:
+    """Starts sequences in free slots from the longest cached prefix of their prompts.
+
+    slots: i32[M] free slots (-1 = padding row); tokens: i32[M, K] prompts, row i valid up to
+    num_tokens[i]. Matches whole blocks only, and at most (num_tokens - 1) // bs of them, so at
+    least one prompt token is left to compute (its logits are needed). The slot becomes live
+    with the matched blocks (references taken; evictable ones revived) and
+    seq_lens = matched blocks * bs, even when nothing matched.
+
+    Returns (state, num_cached_tokens i32[M], ok bool[M]); rows with ok False (slot out of
+    range, live, or repeated) change nothing and report 0 cached tokens.
+    """
+    s, p = state.block_tables.shape
+    n = state.num_blocks
+    slots = jnp.asarray(slots, jnp.int32)
+    mm = slots.shape[0]
+    sc = jnp.clip(slots, 0, s - 1)
+    ok = (slots >= 0) & (slots < s) & ~state.live[sc]
+    _, ok = _first_occurrence(jnp.zeros(s, jnp.int32), slots, ok, jnp.arange(mm), s)
+    cand, matched = _lookup(state, tokens, num_tokens)
+    k = cand.shape[1]
+    bs = state.block_size
+    matched = jnp.where(ok, matched, 0)
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    ent = j < matched[:, None]
+    blocks = jnp.where(ent, cand, 0)
+    revive = ent & (state.ref_counts[cand] == 0)
+    scratch, first = _first_occurrence(  # revived blocks leave the queue: their entries go stale
+        state.queue_pos, cand, revive, jnp.arange(mm * k, dtype=jnp.int32).reshape(mm, k), n
+    )
+    rows = jnp.zeros((mm, p), jnp.int32).at[:, :k].set(blocks)
+    dst = jnp.where(ok, sc, s)
+    state = state.replace(
+        block_tables=state.block_tables.at[dst].set(rows, mode="drop"),
+        seq_lens=state.seq_lens.at[dst].set(matched * bs, mode="drop"),
+        live=state.live.at[dst].set(True, mode="drop"),
+        ref_counts=state.ref_counts.at[jnp.where(ent, cand, n)].add(1, mode="drop"),
+        num_evictable=state.num_evictable - first.sum(dtype=jnp.int32),
+        queue_pos=scratch,
+    )
+    return state, matched * bs, ok
+
+
+@jax.jit
+def cache_full_blocks(
+    state: BlockManagerState, slots: jax.Array, tokens: jax.Array, num_tokens: jax.Array
+) -> BlockManagerState:
+    """Adds the full blocks of live sequences to the prefix cache.
+
+    slots: i32[M] live slots (-1 = padding); tokens: i32[M, K] each sequence's tokens from
+    position 0, valid up to num_tokens[i], whose K/V must already be written. Every block fully
+    inside min(num_tokens, seq_lens) and not yet cached is keyed and inserted. A block is only
+    cached if all blocks before it in its sequence are (a chain stops at the first block whose
+    bucket holds another block; on a tie for an empty bucket the highest block id wins).
+    """
+    s, p = state.block_tables.shape
+    n = state.num_blocks
+    bs = state.block_size
+    hsize = state.hash_table.shape[0]
+    slots = jnp.asarray(slots, jnp.int32)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    num_tokens = jnp.asarray(num_tokens, jnp.int32)
+    mm, length = tokens.shape
+    k = min(p, length // bs)
+    if k == 0:
+        return state
+    sc = jnp.clip(slots, 0, s - 1)
+    ok = (slots >= 0) & (slots < s) & state.live[sc]
+    nfull = jnp.minimum(num_tokens, state.seq_lens[sc]) // bs
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    ent = ok[:, None] & (j < nfull[:, None])
+    blocks = state.block_tables[sc, :k]
+    keys = block_hashes(tokens[:, : k * bs], bs)
+    bucket = _bucket(keys, hsize)
+    already = ent & state.cached[blocks]
+    claim = ent & ~already & (state.hash_table[bucket] == 0)
+    table = state.hash_table.at[jnp.where(claim, bucket, hsize)].max(blocks, mode="drop")
+    won = claim & (table[bucket] == blocks)
+    chain = jnp.cumprod(already | won | ~ent, axis=1).astype(bool)
+    commit = won & chain
+    cached = state.cached.at[jnp.where(commit, blocks, n)].set(True, mode="drop")
+    revert = won & ~cached[blocks]
+    table = table.at[jnp.where(revert, bucket, hsize)].set(0, mode="drop")
+    parents = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), blocks[:, :-1]], axis=1)
+    cidx = jnp.where(commit, blocks, n)
+    return state.replace(
+        cached=cached,
+        hash_table=table,
+        block_hash=state.block_hash.at[cidx].set(keys, mode="drop"),
+        block_parent=state.block_parent.at[cidx].set(parents, mode="drop"),
+        block_tokens=state.block_tokens.at[cidx].set(
+            tokens[:, : k * bs].reshape(mm, k, bs), mode="drop"
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side checks.
