@@ -348,12 +348,11 @@ def write_tiny_gguf(path, hf_model=None, *, arch: str = "llama", extra_tensor=No
 # The engine's tiny model: an HF Llama folder whose EOS (id 2) really occurs
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    """A 2-layer Llama (GQA 4/2, head dim 16) with noisy norms, saved as an HF folder."""
+def make_tiny_llama(**overrides):
+    """A random HF Llama: 2 layers, GQA 4/2, head dim 16, vocab 256, unless overridden."""
     torch, transformers = oracle()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    kwargs = dict(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
@@ -364,7 +363,14 @@ def tiny_llama(tmp_path_factory):
         eos_token_id=2,
         bos_token_id=1,
     )
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**kwargs, **overrides}))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama (GQA 4/2, head dim 16) with noisy norms, saved as an HF folder."""
+    torch, _ = oracle()
+    model = make_tiny_llama().eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 1:

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import tokenizers
-from conftest import byte_level_alphabet, oracle
+from conftest import byte_level_alphabet, make_tiny_llama
 
 import models
 from jax_paged import LLM, SamplingParams
@@ -64,20 +64,16 @@ def test_incremental_text_equals_full_decode_smollm2(smollm2):
 @pytest.fixture(scope="module")
 def long_llm(tmp_path_factory):
     """A tiny Llama with a 4096-token context and the byte-level tokenizer."""
-    torch, transformers = oracle()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
+    model = make_tiny_llama(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=4096,
-        eos_token_id=2,
     )
     path = tmp_path_factory.mktemp("long_llama")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    model.save_pretrained(path)
     loaded = dataclasses.replace(models.load(str(path)), tokenizer=_byte_tokenizer())
     return LLM(loaded, num_kv_blocks=160, max_num_seqs=2)
 
