@@ -91,8 +91,11 @@ PAPER = dict(
 VLLM_H100_TOTAL_TOKENS_PER_S = 12450  # vLLM's published offline throughput, 1000 x (256, 256)
 
 
+_T0 = time.perf_counter()
+
+
 def _log(msg: str) -> None:
-    print(f"[benchmark] {msg}", file=sys.stderr, flush=True)
+    print(f"[benchmark {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
