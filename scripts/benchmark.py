@@ -720,23 +720,10 @@ def gpu_mode(args) -> dict:
 
 
 def tiny_model(max_len: int) -> models.LoadedModel:
-    """A 2-layer random Llama (GQA 4/2, head dim 16, vocab 512): the --quick model."""
-    from flax import nnx
+    """The --quick model: bench_sharing's 2-layer random Llama (GQA 4/2, head dim 16), vocab 512."""
+    import bench_sharing
 
-    cfg = models.ModelConfig(
-        model_type="llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_len,
-    )
-    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
-    gen = models.GenerationConfig(eos_token_ids=[])
-    return models.LoadedModel(model, None, cfg, gen, source="tiny random Llama (2 layers, E=64)")
+    return bench_sharing.tiny_model(vocab_size=512, max_len=max_len)
 
 
 def _ints(s: str) -> list[int]:
