@@ -234,7 +234,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         self._fork_ready()
-        hinted = self._prepare(lookup=self.caching)
+        hinted = self._prepare(lookup=self.caching, flush=False)
         sched = self.scheduler.schedule()
         for q in hinted:  # the lookup holds for this step only
             q.prefix_hit = q.prefix_revive = 0
@@ -357,27 +357,33 @@ class LLMEngine:
             leader.prefill_cap = None
             del self._fork_waiting[rid]
 
-    def _prepare(self, lookup: bool = False) -> list[Sequence]:
+    def _prepare(self, lookup: bool = False, flush: bool = True) -> list[Sequence]:
         """The ``prepare`` call for the work queued between steps, if any; with ``lookup``
         the prompts of the waiting sequences that may be admitted next are looked up in the
         prefix cache (their ``prefix_hit`` / ``prefix_revive`` are set). Afterwards the
-        scheduler's free-block count is the device's. Returns the sequences given hints."""
+        scheduler's free-block count is the device's. Returns the sequences given hints.
+
+        Without ``flush``, blocks queued for caching alone do not make a call: they wait for
+        the next one (a free, a fork, or a waiting prompt that could use them), so a workload
+        without prefix hits pays no extra call for caching."""
         bs = self.config.block_size
         heads = self._cached_heads
         cand = []
         if lookup:
+            pending = {tuple(t[:bs]) for t in self._cache_reqs.values()}
             room = min(len(self.scheduler.free_slots), self.max_num_seqs)
             for q in itertools.islice(self.scheduler.waiting, room):
                 # A prompt whose first block was never cached cannot hit; cached positions
                 # have no logits, so prompt_logprobs requests compute their whole prompt.
+                head = tuple(q.all_token_ids[:bs])
                 if (
                     q.num_computed == 0
                     and q.params.prompt_logprobs is None
                     and q.num_tokens > bs
-                    and (heads is None or tuple(q.all_token_ids[:bs]) in heads)
+                    and (heads is None or head in heads or head in pending)
                 ):
                     cand.append(q)
-        if not (self._cache_reqs or self._pending_free or self._fork_pairs or cand):
+        if not (self._pending_free or self._fork_pairs or cand or (flush and self._cache_reqs)):
             return []
         if heads is not None:
             heads.update(tuple(toks[:bs]) for toks in self._cache_reqs.values())
