@@ -353,11 +353,13 @@ class PagedDecoder:
         return new, tokens
 
     def release(self, state: DecodeState) -> DecodeState:
-        """Frees every row's blocks (pure): every row becomes inactive and UNUSED, as after
-        `init`, so read the statuses (`describe`) before releasing."""
+        """Frees every row's blocks and clears its sampling history (pure): every row becomes
+        inactive and UNUSED, as after `init`, ready for another `prefill`; so read the statuses
+        (`describe`) before releasing."""
         blocks = bm.free(state.device.blocks, jnp.ones(self.max_seqs, bool))
+        samp = jax.tree.map(jnp.zeros_like, state.device.sampling)
         return state.replace(
-            device=state.device.replace(blocks=blocks),
+            device=state.device.replace(blocks=blocks, sampling=samp),
             active=jnp.zeros_like(state.active),
             status=jnp.full_like(state.status, int(RowStatus.UNUSED)),
         )

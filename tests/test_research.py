@@ -209,3 +209,20 @@ def test_pool_running_dry_in_decode_stops_only_that_row(decoders):
     assert int(bm.num_free_blocks(state.device.blocks)) == dec.num_blocks - 1
     assert _status(state) == [RowStatus.UNUSED] * B
     assert not np.asarray(state.active).any()
+
+
+def test_release_then_prefill_again_gives_the_same_tokens(decoders):
+    """`release` clears the rows' sampling history too: a second prefill on the released
+    state counts max_tokens from zero and reproduces the first run."""
+    dec = decoders["ample"]
+    lens = np.array([5, 9, 3, 7], np.int32)
+    prompts = _prompts(lens, seed=3)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+    _, state, first, toks = _run(dec, prompts, lens, params)
+    assert _status(state) == [RowStatus.MAX_TOKENS] * B
+    state = dec.release(state)
+    state, first2 = _prefill(dec, dec.params, state, jnp.asarray(prompts), jnp.asarray(lens))
+    state, toks2 = _decode(dec, dec.params, state)
+    np.testing.assert_array_equal(np.asarray(first2), first)
+    np.testing.assert_array_equal(np.asarray(toks2), toks)
+    bm.check_invariants(state.device.blocks)
