@@ -35,6 +35,7 @@ from jax_paged.output_processor import OutputProcessor, RequestState
 from jax_paged.outputs import RequestMetrics, RequestOutput
 from jax_paged.sampling_params import SamplingParams
 from jax_paged.scheduler import Scheduler, Sequence, SequenceStatus, blocks_for
+from models.protocol import check_model
 
 logger = logging.getLogger("jax_paged")
 
@@ -49,6 +50,7 @@ class LLMEngine:
 
     def __init__(self, loaded, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
+        check_model(loaded.model)  # names what a user-written model lacks (models.PagedModel)
         self.loaded = loaded
         mc = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -59,6 +59,7 @@ from jax_paged import kv_cache as kvc
 from jax_paged import runner, sampling
 from jax_paged.sampling_params import SamplingParams
 from jax_paged.scheduler import blocks_for
+from models.protocol import check_model
 
 
 class RowStatus(enum.IntEnum):
@@ -133,7 +134,7 @@ class PagedDecoder:
     """Static description of a paged decoder over an NNX model.
 
     Args:
-      model: a `models.Transformer` (or any model with the same ``forward``).
+      model: a `models.Transformer`, or any NNX module satisfying `models.PagedModel`.
       max_seqs: B, rows decoded together.
       max_len: longest sequence (prompt + generated).
       block_size: tokens per KV block.
@@ -154,6 +155,7 @@ class PagedDecoder:
         eos_token_ids: Sequence[int] = (),
         attention_impl: str = "auto",
     ):
+        check_model(model)  # names what a model lacks (models.PagedModel)
         self.graphdef, self.params = nnx.split(model)
         self.config = c = model.config
         self.dtype = model.dtype

@@ -2,6 +2,8 @@
 
 loaded = models.load()            # embedded SmolLM2-135M-Instruct (GGUF)
 logits = loaded.model(tokens)     # [B, T] -> [B, T, V], dense causal forward
+
+Your own NNX module runs in the engine when it satisfies `models.PagedModel` (`check_model`).
 """
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -14,6 +16,13 @@ from models.loading import (
     load,
     save_checkpoint,
 )
+from models.protocol import (
+    ModelProtocolError,
+    PagedModel,
+    PagedModelConfig,
+    check_model,
+    wrap_model,
+)
 from models.tokenizer import Tokenizer
 
 __all__ = [
@@ -22,8 +31,12 @@ __all__ = [
     "GenerationConfig",
     "LoadedModel",
     "ModelConfig",
+    "ModelProtocolError",
+    "PagedModel",
+    "PagedModelConfig",
     "Tokenizer",
     "Transformer",
+    "check_model",
     "default_model_path",
     "dense_attention",
     "greedy_generate",
@@ -31,4 +44,5 @@ __all__ = [
     "make_contiguous_cache_attention",
     "make_dense_attention",
     "save_checkpoint",
+    "wrap_model",
 ]
