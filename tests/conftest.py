@@ -208,6 +208,24 @@ def hf_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
+def hf_greedy(model, prompt: list[int], max_tokens: int, eos: bool = True) -> list[int]:
+    """HF transformers' greedy continuation of one prompt (the oracle for engine outputs);
+    ``eos=False`` generates exactly ``max_tokens`` (no EOS stop)."""
+    torch, _ = oracle()
+    ids = torch.tensor([prompt])
+    kw = {} if eos else dict(eos_token_id=None, min_new_tokens=max_tokens)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            attention_mask=torch.ones_like(ids),
+            pad_token_id=0,
+            **kw,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def right_pad(prompts: list[list[int]], pad: int = 0) -> np.ndarray:
     t = max(len(p) for p in prompts)
     out = np.full((len(prompts), t), pad, np.int32)

@@ -8,28 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from conftest import hf_greedy
 
 import models
 from jax_paged import SamplingParams
 from jax_paged.contiguous import ContiguousEngine, kv_bytes_per_token
 
 VOCAB = 256
-
-
-def _hf_greedy(model, prompt, max_tokens, eos=True):
-    ids = torch.tensor([prompt])
-    kw = {} if eos else dict(eos_token_id=None, min_new_tokens=max_tokens)
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            attention_mask=torch.ones_like(ids),
-            pad_token_id=0,
-            **kw,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +25,7 @@ def workload(tiny_llama):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, VOCAB, int(rng.integers(1, 40))).tolist() for _ in range(12)]
     max_tokens = [int(x) for x in rng.integers(1, 40, size=12)]
-    ref = [_hf_greedy(model, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+    ref = [hf_greedy(model, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
     return prompts, max_tokens, ref
 
 
@@ -81,7 +66,7 @@ def test_ignore_eos_forces_lengths_and_matches_hf(tiny_llama, workload):
     got, _ = _run(eng, prompts[:6], max_tokens[:6], ignore_eos=True)
     assert [len(g) for g in got] == max_tokens[:6]
     ref = [
-        _hf_greedy(model, p, m, eos=False) for p, m in zip(prompts[:6], max_tokens[:6], strict=True)
+        hf_greedy(model, p, m, eos=False) for p, m in zip(prompts[:6], max_tokens[:6], strict=True)
     ]
     assert got == ref
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import hf_greedy
 
 from jax_paged import LLM, SamplingParams
 from jax_paged import block_manager as bm
@@ -20,19 +21,6 @@ def _prompts(n, seed=0, lo=1, hi=40):
     return [rng.integers(3, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-def _hf_greedy(model, prompt, max_tokens):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            attention_mask=torch.ones_like(ids),
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="module")
 def workload(tiny_llama):
     """20 prompts of mixed lengths and max_tokens, with HF's greedy continuations."""
@@ -40,7 +28,7 @@ def workload(tiny_llama):
     prompts = _prompts(20)
     rng = np.random.default_rng(1)
     max_tokens = [int(x) for x in rng.integers(1, 24, size=20)]
-    ref = [_hf_greedy(model, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+    ref = [hf_greedy(model, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
     return prompts, max_tokens, ref
 
 
@@ -163,7 +151,7 @@ def test_stop_tokens_logprobs_and_finish_reasons(tiny_llama, workload):
     path, model = tiny_llama
     prompts, _, _ = workload
     llm = LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=4)
-    ref = _hf_greedy(model, prompts[0], 12)
+    ref = hf_greedy(model, prompts[0], 12)
     stop_tok = ref[4]
     first = ref.index(stop_tok)
     out = llm.generate(
@@ -285,7 +273,7 @@ def test_research_scan_decode_matches_hf(tiny_llama, workload):
     loaded = models.load(str(path))
     _, hf = tiny_llama
     batch = prompts[:4]
-    ref = [_hf_greedy(hf, p, 17) for p in batch]
+    ref = [hf_greedy(hf, p, 17) for p in batch]
     dec = PagedDecoder(loaded.model, max_seqs=4, max_len=64, block_size=4)
     state = dec.init(SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=100))
     lens = np.array([len(p) for p in batch], np.int32)
@@ -319,6 +307,6 @@ def test_engine_greedy_matches_hf_per_family(tiny_hf, family):
     prompts = [rng.integers(0, vocab, size=n).tolist() for n in (3, 11, 19)]
     llm = LLM(str(folder), num_kv_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
     got = _generate(llm, prompts, [12, 12, 12])
-    ref = [_hf_greedy(hf, p, 12) for p in prompts]
+    ref = [hf_greedy(hf, p, 12) for p in prompts]
     assert got == ref
     _assert_pool_empty(llm)

@@ -8,24 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import hf_greedy
 
 from jax_paged import LLM, SamplingParams
 from jax_paged import block_manager as bm
 
 BS = 4
-
-
-def _hf_greedy(model, prompt, max_tokens):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            attention_mask=torch.ones_like(ids),
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _shared_prefix_prompts(seed=0):
@@ -62,7 +50,7 @@ def test_prefix_caching_on_off_identical_and_hits(tiny_llama):
     off = LLM(str(path), enable_prefix_caching=False, **kw)
     got_on = _run(on, prompts)
     got_off = _run(off, prompts)
-    ref = [_hf_greedy(hf, p, 8) for p in prompts]
+    ref = [hf_greedy(hf, p, 8) for p in prompts]
     assert [o.outputs[0].token_ids for o in got_off] == ref
     assert [o.outputs[0].token_ids for o in got_on] == ref
     # Later requests of each group find the system prompt's full blocks in the cache.
