@@ -8,12 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_paged.logit_processing import compute_prompt_logprobs, process_logits
 from jax_paged.sampling import (
     SamplingTensors,
-    compute_prompt_logprobs,
     init_state,
     is_stop_token,
-    process_logits,
     reached_max_tokens,
     sample,
     set_rows,
@@ -149,7 +148,7 @@ def test_reference_on_hand_computed_case():
 
 def test_bisection_cutoffs_equal_sorted_cutoffs():
     # The sort-free fallback against the sorted formulation, with -inf entries and ties.
-    from jax_paged.sampling import _bisect_cutoffs, _cutoffs
+    from jax_paged.logit_processing import _bisect_cutoffs, _cutoffs
 
     x = np.random.default_rng(2).normal(0, 2, (6, 300)).astype(np.float32)
     x[0, :100] = -np.inf
