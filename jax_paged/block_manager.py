@@ -1,6 +1,7 @@
 """The functional block manager: KV-cache blocks, block tables, refcounts, copy-on-write, and
-the prefix cache's storage and eviction (its lookups and inserts: `prefix_cache`), as a pytree
-of JAX arrays changed only by pure, vectorised functions.
+the prefix cache's storage (its lookups and inserts: `prefix_cache`; its eviction queue and
+hash-table buckets: `eviction`), as a pytree of JAX arrays changed only by pure, vectorised
+functions.
 
 Every op is `op(state, ...) -> (state, results...)`, jittable, usable inside `lax.scan` and
 `while_loop`, and vectorised over the batch with cumsums and scatters: the per-step cost grows
@@ -26,7 +27,8 @@ Where the blocks live::
                 prompt with the same prefix); found by prefix match, evicted least recently
                 freed first when the free stack runs dry. `evict_queue` lists them in the
                 order they were freed (a ring; entries of blocks revived since are stale and
-                skipped when popped, or dropped by a compaction when the ring fills).
+                skipped when popped, or dropped by a compaction when the ring fills; see
+                `eviction`).
 
 The cache holds no references: refcount == number of block-table entries pointing at the block.
 
@@ -65,9 +67,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_paged.eviction import compact_queue, evict, eviction_order
+
 NULL_BLOCK = 0
 
-_I32_MIN = np.iinfo(np.int32).min
 _I32_MAX = np.iinfo(np.int32).max
 
 
@@ -206,8 +209,9 @@ def _excl_cumsum(x):
     return c - x
 
 
-def _first_occurrence(scratch, ids, valid, order, drop):
-    """Marks, among valid entries sharing an id, the one with the smallest `order`.
+def first_occurrence(scratch, ids, valid, order, drop):
+    """Marks, among valid entries sharing an id, the one with the smallest `order` (also used by
+    `prefix_cache`).
 
     `scratch` is an array indexed by id whose values at the valid ids are dead (overwritten);
     `drop` is an out-of-bounds index. Returns (scratch, first bool like ids).
@@ -217,85 +221,6 @@ def _first_occurrence(scratch, ids, valid, order, drop):
     scratch = scratch.at[idx].min(order, mode="drop")
     first = valid & (scratch[jnp.clip(ids, 0, scratch.shape[0] - 1)] == order)
     return scratch, first
-
-
-# ---------------------------------------------------------------------------------------------
-# Hash-table buckets (the keys are `prefix_cache.block_hashes`).
-
-
-def _bucket(keys, table_size):
-    return (keys & jnp.uint32(table_size - 1)).astype(jnp.int32)
-
-
-# ---------------------------------------------------------------------------------------------
-# Eviction.
-
-
-def _entry_live(state: BlockManagerState, q):
-    """bool like q: the queue entry at ring index q names an evictable block."""
-    b = state.evict_queue[q]
-    return state.cached[b] & (state.ref_counts[b] == 0) & (state.queue_pos[b] == q)
-
-
-def _evict(state: BlockManagerState, count) -> BlockManagerState:
-    """Moves the `count` least recently freed evictable blocks onto the free stack.
-
-    The oldest ends on top (handed out first). Requires count <= num_evictable. Pops the queue
-    in windows of `evict_chunk` entries, skipping stale ones; zero rounds when count == 0.
-    """
-    n = state.num_blocks
-    c = state.evict_queue.shape[0]
-    w = state.evict_chunk
-    hsize = state.hash_table.shape[0]
-    base = state.num_free
-    ar = jnp.arange(w, dtype=jnp.int32)
-
-    def cond(carry):
-        _, done = carry
-        return done < count
-
-    def body(carry):
-        st, done = carry
-        q = (st.queue_head + ar) % c
-        live = (ar < st.queue_len) & _entry_live(st, q)
-        rank = done + jnp.cumsum(live) - live  # global age rank among popped, 0 = oldest
-        take = live & (rank < count)
-        blk = st.evict_queue[q]
-        # Advance past everything examined, or just past the last block taken.
-        last = jnp.max(jnp.where(take, ar, -1))
-        adv = jnp.where(done + live.sum() <= count, jnp.minimum(w, st.queue_len), last + 1)
-        pos = jnp.where(take, base + count - 1 - rank, n)
-        drop = jnp.where(take, blk, n)
-        st = st.replace(
-            free_stack=st.free_stack.at[pos].set(blk, mode="drop"),
-            cached=st.cached.at[drop].set(False, mode="drop"),
-            hash_table=st.hash_table.at[
-                jnp.where(take, _bucket(st.block_hash[blk], hsize), hsize)
-            ].set(0, mode="drop"),
-            queue_head=(st.queue_head + adv) % c,
-            queue_len=st.queue_len - adv,
-        )
-        return st, done + take.sum(dtype=jnp.int32)
-
-    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
-    return state.replace(num_free=state.num_free + count, num_evictable=state.num_evictable - count)
-
-
-def _compact_queue(state: BlockManagerState) -> BlockManagerState:
-    """Drops the stale entries of the eviction queue, keeping order; O(N)."""
-    c = state.evict_queue.shape[0]
-    n = state.num_blocks
-    ar = jnp.arange(c, dtype=jnp.int32)
-    q = (state.queue_head + ar) % c
-    live = (ar < state.queue_len) & _entry_live(state, q)
-    new = jnp.cumsum(live) - live
-    blk = state.evict_queue[q]
-    return state.replace(
-        evict_queue=state.evict_queue.at[jnp.where(live, new, c)].set(blk, mode="drop"),
-        queue_pos=state.queue_pos.at[jnp.where(live, blk, n)].set(new, mode="drop"),
-        queue_head=jnp.int32(0),
-        queue_len=live.sum(dtype=jnp.int32),
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +278,7 @@ def reserve(
     rc = state.ref_counts.at[jnp.where(cow_g, last, n)].add(-1, mode="drop")
     all_cow = cow_g & (rc[last] == 0)
     # queue_pos of in-use blocks is dead, so it serves as scratch.
-    scratch, keeper = _first_occurrence(state.queue_pos, last, all_cow, slots, n)
+    scratch, keeper = first_occurrence(state.queue_pos, last, all_cow, slots, n)
     rc = rc.at[jnp.where(keeper, last, n)].add(1, mode="drop")
     do_cow = cow_g & ~keeper
 
@@ -361,7 +286,7 @@ def reserve(
     off = jnp.zeros(s, jnp.int32).at[order].set(_excl_cumsum(take[order]))
     total = take.sum()
     state = state.replace(ref_counts=rc, queue_pos=scratch)
-    state = _evict(state, jnp.clip(total - state.num_free, 0, state.num_evictable))
+    state = evict(state, jnp.clip(total - state.num_free, 0, state.num_evictable))
     top = state.num_free
     stack = state.free_stack
 
@@ -432,7 +357,7 @@ def free(state: BlockManagerState, mask: jax.Array) -> BlockManagerState:
     # first, so a cached child is always queued before its parent (evicted first).
     zero_r, bt_r = zero.T[::-1].reshape(-1), bt.T[::-1].reshape(-1)
     e = jnp.arange(s * p, dtype=jnp.int32)
-    qpos, first = _first_occurrence(state.queue_pos, bt_r, zero_r, e, n)
+    qpos, first = first_occurrence(state.queue_pos, bt_r, zero_r, e, n)
     was_cached = state.cached[bt_r]
     push = first & ~was_cached
     ev = first & was_cached
@@ -444,7 +369,7 @@ def free(state: BlockManagerState, mask: jax.Array) -> BlockManagerState:
     # Queue the newly evictable blocks at the ring's tail (compacting first if it is full).
     c = state.evict_queue.shape[0]
     state = state.replace(queue_pos=qpos)
-    state = jax.lax.cond(state.queue_len + n_ev > c, _compact_queue, lambda st: st, state)
+    state = jax.lax.cond(state.queue_len + n_ev > c, compact_queue, lambda st: st, state)
     tail = (state.queue_head + state.queue_len + _excl_cumsum(ev)) % c
     state = state.replace(
         evict_queue=state.evict_queue.at[jnp.where(ev, tail, c)].set(bt_r, mode="drop"),
@@ -482,7 +407,7 @@ def fork(
     cc = jnp.clip(child, 0, s - 1)
     ok = (parent >= 0) & (parent < s) & (child >= 0) & (child < s)
     ok &= state.live[pc] & ~state.live[cc]
-    _, ok = _first_occurrence(jnp.zeros(s, jnp.int32), child, ok, jnp.arange(mm), s)
+    _, ok = first_occurrence(jnp.zeros(s, jnp.int32), child, ok, jnp.arange(mm), s)
     rows = state.block_tables[pc]
     lens = state.seq_lens[pc]
     j = jnp.arange(p, dtype=jnp.int32)[None, :]
@@ -500,7 +425,7 @@ def fork(
 
 
 # ---------------------------------------------------------------------------------------------
-# Prefix cache.
+# Host-side checks.
 
 
 def check_invariants(state: BlockManagerState) -> None:
@@ -550,18 +475,3 @@ def check_invariants(state: BlockManagerState) -> None:
         if pb and evictable[b] and evictable[pb]:
             assert order[b] < order[pb], "parent would be evicted before its child"
     assert np.count_nonzero(table) == cached.sum(), "stale hash-table entry"
-
-
-def eviction_order(state: BlockManagerState) -> list[int]:
-    """Host-side: the evictable blocks, next to be evicted first (live queue entries)."""
-    st = jax.device_get(state)
-    queue, pos = np.asarray(st.evict_queue), np.asarray(st.queue_pos)
-    rc, cached = np.asarray(st.ref_counts), np.asarray(st.cached)
-    c = queue.shape[0]
-    out = []
-    for i in range(int(st.queue_len)):
-        q = (int(st.queue_head) + i) % c
-        b = int(queue[q])
-        if cached[b] and rc[b] == 0 and pos[b] == q:
-            out.append(b)
-    return out

@@ -18,12 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_paged.block_manager import (
-    NULL_BLOCK,
-    BlockManagerState,
-    _bucket,
-    _first_occurrence,
-)
+from jax_paged.block_manager import NULL_BLOCK, BlockManagerState, first_occurrence
+from jax_paged.eviction import hash_bucket
 
 _MIX_A = 0x85EBCA6B
 _MIX_B = 0xC2B2AE35
@@ -78,7 +74,7 @@ def _lookup(state: BlockManagerState, tokens, num_tokens) -> tuple[jax.Array, ja
         return jnp.zeros((mm, 0), jnp.int32), jnp.zeros(mm, jnp.int32)
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
     keys = block_hashes(tokens[:, : k * bs], bs)  # [M, k]
-    cand = state.hash_table[_bucket(keys, state.hash_table.shape[0])]
+    cand = state.hash_table[hash_bucket(keys, state.hash_table.shape[0])]
     prev = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), cand[:, :-1]], axis=1)
     same = (state.block_tokens[cand] == tokens[:, : k * bs].reshape(mm, k, bs)).all(-1)
     good = (cand != NULL_BLOCK) & state.cached[cand] & (state.block_hash[cand] == keys)
@@ -121,7 +117,7 @@ def match_prefix(
     mm = slots.shape[0]
     sc = jnp.clip(slots, 0, s - 1)
     ok = (slots >= 0) & (slots < s) & ~state.live[sc]
-    _, ok = _first_occurrence(jnp.zeros(s, jnp.int32), slots, ok, jnp.arange(mm), s)
+    _, ok = first_occurrence(jnp.zeros(s, jnp.int32), slots, ok, jnp.arange(mm), s)
     cand, matched = _lookup(state, tokens, num_tokens)
     k = cand.shape[1]
     bs = state.block_size
@@ -130,7 +126,7 @@ def match_prefix(
     ent = j < matched[:, None]
     blocks = jnp.where(ent, cand, 0)
     revive = ent & (state.ref_counts[cand] == 0)
-    scratch, first = _first_occurrence(  # revived blocks leave the queue: their entries go stale
+    scratch, first = first_occurrence(  # revived blocks leave the queue: their entries go stale
         state.queue_pos, cand, revive, jnp.arange(mm * k, dtype=jnp.int32).reshape(mm, k), n
     )
     rows = jnp.zeros((mm, p), jnp.int32).at[:, :k].set(blocks)
@@ -176,7 +172,7 @@ def cache_full_blocks(
     ent = ok[:, None] & (j < nfull[:, None])
     blocks = state.block_tables[sc, :k]
     keys = block_hashes(tokens[:, : k * bs], bs)
-    bucket = _bucket(keys, hsize)
+    bucket = hash_bucket(keys, hsize)
     already = ent & state.cached[blocks]
     claim = ent & ~already & (state.hash_table[bucket] == 0)
     table = state.hash_table.at[jnp.where(claim, bucket, hsize)].max(blocks, mode="drop")
@@ -197,7 +193,3 @@ def cache_full_blocks(
             tokens[:, : k * bs].reshape(mm, k, bs), mode="drop"
         ),
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Host-side checks.

@@ -9,6 +9,7 @@ import pytest
 from block_manager_ref import block_keys
 
 from jax_paged import block_manager as bm
+from jax_paged import eviction
 from jax_paged import prefix_cache as pc
 
 
@@ -292,7 +293,7 @@ def test_eviction_queue_skips_revived_entries_and_compacts_when_full():
         assert cached == 2
         st = bm.free(st, jnp.array([False, True]))
         bm.check_invariants(st)
-    assert int(st.queue_len) <= 8 and bm.eviction_order(st) == [1]
+    assert int(st.queue_len) <= 8 and eviction.eviction_order(st) == [1]
     st, ok, _, _ = _reserve(st, [0, 6])  # needs all 3 blocks: 2 and 3, then evicts 1
     assert ok == [True, True]
     assert sorted(_bt(st)[1]) == [1, 2, 3] and int(st.num_evictable) == 0

@@ -19,6 +19,7 @@ import pytest
 from block_manager_ref import RefBlockManager, block_keys
 
 from jax_paged import block_manager as bm
+from jax_paged import eviction
 from jax_paged import prefix_cache as pc
 
 M = 2  # rows per fork / match call
@@ -52,7 +53,7 @@ def _snapshot(st):
             for b in cached
         },
         buckets={int(i): int(table[i]) for i in np.flatnonzero(table)},
-        evictable=bm.eviction_order(st),
+        evictable=eviction.eviction_order(st),
     )
 
 
