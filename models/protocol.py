@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.llama import AttentionFn
 from models.loading import GenerationConfig, LoadedModel
 
 # The integer config fields the engine reads (and num_heads, checked against num_kv_heads).
@@ -77,20 +76,20 @@ class PagedModelConfig(Protocol):
 
 @runtime_checkable
 class PagedModel(Protocol):
-    """An NNX module the engine can page (see the module docstring for the contract)."""
+    """An NNX module the engine can page (see the module docstring for the contract).
+
+    Attributes:
+      config: its `PagedModelConfig`.
+      dtype: the dtype of the KV pages.
+      forward: `FORWARD_SIGNATURE` -> (logits, kv), as `models.Transformer.forward`: tokens and
+        positions i32[B, T], ``attn`` an `AttentionFn`, ``kv`` threaded through every layer,
+        logits f32[B, T, V] (f32[B, R, V] for ``logits_indices`` i32[R]). A ``Callable`` type
+        cannot name keyword-only parameters: `check_model` checks them.
+    """
 
     config: PagedModelConfig
     dtype: Any
-
-    def forward(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        attn: AttentionFn,
-        kv: Any,
-        *,
-        logits_indices: jax.Array | None = None,
-    ) -> tuple[jax.Array, Any]: ...
+    forward: Callable[..., tuple[jax.Array, Any]]
 
 
 class ModelProtocolError(TypeError):
