@@ -25,8 +25,10 @@ power of two >= 16, which Triton's `dot` needs)::
 
     row r of a block  ->  token  r // G  of the block,  query head  kv_head * G + r % G
 
-so every K/V page is loaded once for all heads of its group. Decode is the special case
-``block_q == 1`` with one block per sequence. The grid is ``(query blocks, KVH, splits)``. Each
+so every K/V page is loaded once for all heads of its group. The blocks come from
+`pallas_kernels.layout.query_blocks` (as in the XLA path). Decode is the special case
+``block_q == 1`` with one block per sequence: `gpu_paged_attention_decode` is the ragged kernel
+on one-row sequences (`layout.decode_as_ragged`). The grid is ``(query blocks, KVH, splits)``. Each
 program walks its share of the key range in *compute blocks* of ``pages_per_block`` pages
 (``bk = pages_per_block * bs`` keys), gathering the pages through the block table, and keeps an
 online softmax (running max ``m``, sum ``l``, output ``o``) in base 2 (``exp2`` with ``log2(e)``
@@ -47,6 +49,9 @@ every call, every layer, every step.
 Masking is by position, never by sentinel: keys past ``hi`` may come from the null block 0 or a
 stale page tail, so their probabilities are set to exactly 0 and their V rows to 0 (garbage may
 be NaN). A row that sees no key (``kv_lens == 0``, padding rows) outputs 0.
+
+Inputs are checked once, by `pallas_kernels.paged_attention` (with the kernel's own limits: block
+size and head dim powers of 2, head dim >= 16); this module checks only its tuning knobs.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import check_layer, query_blocks, stacked_pages
+from pallas_kernels.layout import decode_as_ragged, query_blocks, stacked_pages
 
 __all__ = ["gpu_paged_attention_decode", "gpu_ragged_paged_attention"]
 
@@ -154,39 +159,19 @@ def _prev_pow2(x: int) -> int:
 
 
 def _attend_blocks(
+    kernel,  # _paged_attention_kernel with its static options bound
     q_blocks: jax.Array,  # [NQB, KVH, M, D]
     k_pages: jax.Array,  # [L, KVH, N, bs, D]
     v_pages: jax.Array,  # [L, KVH, N, bs, D]
-    block_tables: jax.Array,  # i32[NQB, P] each block's sequence's table
+    block_tables: jax.Array,  # i32[NQB, P_pad] each block's sequence's table, whole blocks
     meta: jax.Array,  # i32[NQB, 4] (pos0, num_q, layer, 0), layer in [0, L)
-    *,
-    group: int,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    pages_per_block: int,
     num_splits: int,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
+    **launch,  # pallas_call's compiler_params, interpret and name
 ) -> jax.Array:  # [NQB, KVH, M, D] in q dtype
-    """Runs the kernel over all query blocks and merges the key splits."""
+    """Runs the kernel over all query blocks and key splits, and merges the splits."""
     nqb, kvh, m_rows, d = q_blocks.shape
     num_layers, _, n, bs, _ = k_pages.shape
-    p = block_tables.shape[1]
-    p_pad = pl.cdiv(p, pages_per_block) * pages_per_block
-    if p_pad != p:  # whole compute blocks; the padding reads block 0 and is masked
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, p_pad - p)))
     out_dtype = q_blocks.dtype if num_splits == 1 else jnp.float32
-    kernel = functools.partial(
-        _paged_attention_kernel,
-        group=group,
-        pages_per_block=pages_per_block,
-        num_splits=num_splits,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
     o, m, l = pl.pallas_call(
         kernel,
         grid=(nqb, kvh, num_splits),
@@ -195,7 +180,7 @@ def _attend_blocks(
             # KV head h's pages of every layer: a pointer offset, the layer is picked inside.
             pl.BlockSpec((num_layers, None, n, bs, d), lambda b, h, s: (0, h, 0, 0, 0)),  # k
             pl.BlockSpec((num_layers, None, n, bs, d), lambda b, h, s: (0, h, 0, 0, 0)),  # v
-            pl.BlockSpec((None, p_pad), lambda b, h, s: (b, 0)),  # block_tables
+            pl.BlockSpec((None, block_tables.shape[1]), lambda b, h, s: (b, 0)),  # block_tables
             pl.BlockSpec((None, 4), lambda b, h, s: (b, 0)),  # meta
         ],
         out_specs=[
@@ -208,9 +193,7 @@ def _attend_blocks(
             jax.ShapeDtypeStruct((nqb, kvh, num_splits, m_rows), jnp.float32),
             jax.ShapeDtypeStruct((nqb, kvh, num_splits, m_rows), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"paged_attention_m{m_rows}_bk{pages_per_block * bs}_s{num_splits}",
+        **launch,
     )(q_blocks, k_pages, v_pages, block_tables, meta)
     if num_splits == 1:
         return o[:, :, 0]
@@ -233,146 +216,24 @@ def _default_pages_per_block(page_size: int) -> int:
     return max(1, max(64, page_size) // page_size)
 
 
-def _check_tunables(page_size: int, head_dim: int, pages_per_block: int) -> None:
-    if page_size & (page_size - 1):
-        raise ValueError(f"{page_size=} must be a power of 2 for the GPU kernel")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"{head_dim=} must be a power of 2 >= 16 for the GPU kernel")
-    bk = pages_per_block * page_size
-    if pages_per_block & (pages_per_block - 1) or bk < 16:
-        raise ValueError(f"{pages_per_block=} must be a power of 2 with {page_size=} * it >= 16")
-
-
-_STATIC = (
-    "scale",
-    "sliding_window",
-    "soft_cap",
-    "interpret",
-    "pages_per_block",
-    "num_splits",
-    "num_warps",
-    "num_stages",
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "sliding_window",
+        "soft_cap",
+        "interpret",
+        "block_q",
+        "pages_per_block",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+    ),
 )
-
-
-def gpu_paged_attention_decode(
-    q: jax.Array,  # [B, H, D]
-    k_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
-    v_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
-    block_tables: jax.Array,  # i32[B, P]
-    kv_lens: jax.Array,  # i32[B]
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    layer: int | jax.Array = 0,  # int or i32[]
-    interpret: bool = False,
-    pages_per_block: int | None = None,
-    num_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> jax.Array:  # [B, H, D]
-    """Decode paged attention: query b at position ``kv_lens[b] - 1``; ``kv_lens[b] == 0`` -> 0.
-
-    Args:
-      q: ``[B, H, D]``; k_pages, v_pages: ``[L, KVH, N, bs, D]``, the pages of all layers
-        (``[KVH, N, bs, D]`` is one layer, ``L = 1``); block_tables: ``i32[B, P]``;
-        kv_lens: ``i32[B]`` (the current token included).
-      scale, sliding_window, soft_cap: as in `pallas_kernels.reference`.
-      layer: the layer whose pages are read, an int in ``[0, L)`` or a traced ``i32[]`` (e.g. a
-        `lax.scan` counter; clamped to ``[0, L)``). The kernel addresses it in the stacked
-        pages; nothing is sliced out.
-      interpret: run in the Pallas interpreter (CPU tests).
-      pages_per_block: pages per compute block (default: about 64 keys).
-      num_splits: key splits per sequence (flash-decoding; default from the grid size).
-      num_warps, num_stages: Triton launch parameters.
-    Returns:
-      ``[B, H, D]`` in ``q.dtype``.
-    Raises:
-      ValueError: pages of the wrong rank or shapes, ``layer`` out of range or not an integer.
-    """
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
-    layer = check_layer(k_pages, layer)
-    return _decode(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        kv_lens,
-        layer,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        interpret=interpret,
-        pages_per_block=pages_per_block,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode(
-    q,  # [B, H, D]
-    k_pages,  # [L, KVH, N, bs, D] or [KVH, N, bs, D]
-    v_pages,  # same as k_pages
-    block_tables,  # i32[B, P]
-    kv_lens,  # i32[B]
-    layer,  # int or i32[], checked
-    *,
-    scale,
-    sliding_window,
-    soft_cap,
-    interpret,
-    pages_per_block,
-    num_splits,
-    num_warps,
-    num_stages,
-):  # [B, H, D]
-    k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
-    b, h, d = q.shape
-    _, kvh, _, bs, _ = k_pages.shape
-    group = h // kvh
-    ppb = pages_per_block or _default_pages_per_block(bs)
-    _check_tunables(bs, d, ppb)
-    m_rows = max(16, _next_pow2(group))
-    q_blocks = q.reshape(b, kvh, group, d)  # row r = query head kv_head * G + r
-    q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, m_rows - group), (0, 0)))
-    kv_lens = kv_lens.astype(jnp.int32)
-    meta = jnp.stack(
-        [
-            kv_lens - 1,
-            (kv_lens > 0).astype(jnp.int32),
-            jnp.broadcast_to(layer, kv_lens.shape),
-            jnp.zeros_like(kv_lens),
-        ],
-        axis=1,
-    )  # [B, 4]
-    splits = num_splits or _default_splits(b * kvh, pl.cdiv(block_tables.shape[1], ppb))
-    o = _attend_blocks(
-        q_blocks,
-        k_pages,
-        v_pages,
-        block_tables.astype(jnp.int32),
-        meta,
-        group=group,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        pages_per_block=ppb,
-        num_splits=splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=interpret,
-    )  # [B, KVH, M, D]
-    return o[:, :, :group].reshape(b, h, d)
-
-
 def gpu_ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
     k_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
-    v_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
+    v_pages: jax.Array,  # same as k_pages
     block_tables: jax.Array,  # i32[S, P]
     kv_lens: jax.Array,  # i32[S]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -393,116 +254,94 @@ def gpu_ragged_paged_attention(
 
     Sequence s owns rows ``cu_q_lens[s]:cu_q_lens[s+1]``; its row j sits at position
     ``kv_lens[s] - q_len_s + j`` and sees keys ``k <= pos`` (and ``pos - k < sliding_window``).
-    Rows at or past ``cu_q_lens[num_seqs]`` output 0.
+    Rows at or past ``cu_q_lens[num_seqs]`` output 0. Inputs are assumed valid (checked by
+    `pallas_kernels.paged_attention`: ``bs`` and ``D`` powers of 2, ``D >= 16``).
 
     Args:
-      q: ``[T, H, D]``; k_pages, v_pages: ``[L, KVH, N, bs, D]`` (or ``[KVH, N, bs, D]``,
-        ``L = 1``); block_tables: ``i32[S, P]``; kv_lens: ``i32[S]``; cu_q_lens: ``i32[S+1]``;
-        num_seqs: ``i32[]``.
-      scale, sliding_window, soft_cap, layer, interpret, pages_per_block, num_splits,
-        num_warps, num_stages: as in `gpu_paged_attention_decode`.
+      q: ``[T, H, D]`` float32, bfloat16 or float16.
+      k_pages, v_pages: ``[L, KVH, N, bs, D]``, the pages of all layers in ``q.dtype``
+        (``[KVH, N, bs, D]`` is one layer, ``L = 1``).
+      block_tables: ``i32[S, P]``; kv_lens: ``i32[S]`` (this step's rows included);
+        cu_q_lens: ``i32[S+1]``; num_seqs: ``i32[]``.
+      scale, sliding_window, soft_cap: as in `pallas_kernels.reference`.
+      layer: the layer whose pages are read, an int in ``[0, L)`` or a traced ``i32[]`` (e.g. a
+        `lax.scan` counter; clamped to ``[0, L)``). The kernel addresses it in the stacked
+        pages; nothing is sliced out.
+      interpret: run in the Pallas interpreter (CPU tests).
       block_q: query tokens per query block (power of 2; default 1 when ``T <= S``, a decode
         step, else about 64 rows per block).
+      pages_per_block: pages per compute block (power of 2; default: about 64 keys).
+      num_splits: key splits per query block (flash-decoding; default from the grid size).
+      num_warps, num_stages: Triton launch parameters.
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
     Raises:
-      ValueError: as in `gpu_paged_attention_decode`, or ``block_q`` not a power of 2.
+      ValueError: ``block_q`` or ``pages_per_block`` not a power of 2, or too few keys per
+        compute block (``pages_per_block * bs < 16``).
     """
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
-    layer = check_layer(k_pages, layer)
-    return _ragged(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        kv_lens,
-        cu_q_lens,
-        num_seqs,
-        layer,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        interpret=interpret,
-        block_q=block_q,
-        pages_per_block=pages_per_block,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "block_q"))
-def _ragged(
-    q,  # [T, H, D]
-    k_pages,  # [L, KVH, N, bs, D] or [KVH, N, bs, D]
-    v_pages,  # same as k_pages
-    block_tables,  # i32[S, P]
-    kv_lens,  # i32[S]
-    cu_q_lens,  # i32[S+1]
-    num_seqs,  # i32[]
-    layer,  # int or i32[], checked
-    *,
-    scale,
-    sliding_window,
-    soft_cap,
-    interpret,
-    block_q,
-    pages_per_block,
-    num_splits,
-    num_warps,
-    num_stages,
-):  # [T, H, D]
     k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
     t, h, d = q.shape
     _, kvh, _, bs, _ = k_pages.shape
-    s = kv_lens.shape[0]
+    s, p = block_tables.shape
     group = h // kvh
     ppb = pages_per_block or _default_pages_per_block(bs)
-    _check_tunables(bs, d, ppb)
+    if ppb & (ppb - 1) or ppb * bs < 16:
+        raise ValueError(f"{pages_per_block=} must be a power of 2 with {bs=} * it >= 16")
     if block_q is None:
         block_q = 1 if t <= s else _prev_pow2(max(1, 64 // group))
     if block_q & (block_q - 1):
         raise ValueError(f"{block_q=} must be a power of 2")
     m_rows = max(16, _next_pow2(block_q * group))
-    blk_seq, blk_row0, blk_num_q, blk_pos0, tok_blk, tok_off, live = query_blocks(
-        t, kv_lens.astype(jnp.int32), cu_q_lens, jnp.asarray(num_seqs, jnp.int32), block_q
-    )
-    nqb = blk_seq.shape[0]
-    blk = jnp.arange(nqb, dtype=jnp.int32)  # [NQB]
-    meta = jnp.stack(
-        [blk_pos0, blk_num_q, jnp.broadcast_to(layer, blk.shape), jnp.zeros_like(blk)], axis=1
-    )  # [NQB, 4]
+    blocks = query_blocks(t, kv_lens, cu_q_lens, num_seqs, block_q)
+    nqb = blocks.seq.shape[0]
+    layers = jnp.broadcast_to(layer, (nqb,))
+    meta = jnp.stack([blocks.pos0, blocks.num, layers, jnp.zeros_like(layers)], axis=1)
 
     # Gather q rows into blocks: [NQB, bq] token indices (T = zero row for padding).
-    tok = blk_row0[:, None] + jnp.arange(block_q)[None, :]  # [NQB, bq]
-    tok = jnp.where(jnp.arange(block_q)[None, :] < blk_num_q[:, None], tok, t)
+    j = jnp.arange(block_q)[None, :]
+    tok = jnp.where(j < blocks.num[:, None], blocks.row0[:, None] + j, t)  # [NQB, bq]
     q_pad = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])  # [T+1, H, D]
     q_blocks = q_pad[tok].reshape(nqb, block_q, kvh, group, d)
     q_blocks = q_blocks.transpose(0, 2, 1, 3, 4).reshape(nqb, kvh, block_q * group, d)
     q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, m_rows - block_q * group), (0, 0)))
+    # Whole compute blocks per table; the padding reads block 0 and is masked.
+    tables = jnp.pad(block_tables[blocks.seq], ((0, 0), (0, -p % ppb)))  # [NQB, P_pad]
 
-    splits = num_splits or _default_splits(nqb * kvh, pl.cdiv(block_tables.shape[1], ppb))
-    o = _attend_blocks(
-        q_blocks,
-        k_pages,
-        v_pages,
-        block_tables.astype(jnp.int32)[blk_seq],
-        meta,
-        group=group,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        pages_per_block=ppb,
-        num_splits=splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
+    splits = num_splits or _default_splits(nqb * kvh, pl.cdiv(p, ppb))
+    softmax = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kernel = functools.partial(
+        _paged_attention_kernel, group=group, pages_per_block=ppb, num_splits=splits, **softmax
+    )
+    launch = dict(
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-    )  # [NQB, KVH, M, D]
+        name=f"paged_attention_m{m_rows}_bk{ppb * bs}_s{splits}",
+    )
+    o = _attend_blocks(kernel, q_blocks, k_pages, v_pages, tables, meta, splits, **launch)
 
     # Rows back to tokens: token t is row tok_off[t] of block tok_blk[t].
     o = o[:, :, : block_q * group].reshape(nqb, kvh, block_q, group, d)
     o = o.transpose(0, 2, 1, 3, 4).reshape(nqb * block_q, h, d)  # [NQB*bq, H, D]
-    out = o[tok_blk * block_q + tok_off]  # [T, H, D]
-    valid = live  # [T]: rows past the last live sequence are padding (zeros)
-    return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
+    out = o[blocks.tok_blk * block_q + blocks.tok_off]  # [T, H, D]
+    return jnp.where(blocks.live[:, None, None], out, jnp.zeros_like(out))  # padding rows: 0
+
+
+def gpu_paged_attention_decode(q, k_pages, v_pages, block_tables, kv_lens, **options):
+    """Decode paged attention: query b at position ``kv_lens[b] - 1``; ``kv_lens[b] == 0`` -> 0.
+
+    The ragged kernel on one-row sequences (`layout.decode_as_ragged`) with ``block_q = 1``: one
+    query block of the ``G`` heads of a KV head per sequence, key splits as the grid needs.
+
+    Args:
+      q: ``[B, H, D]``; k_pages, v_pages: ``[L, KVH, N, bs, D]``, the pages of all layers
+        (``[KVH, N, bs, D]`` is one layer, ``L = 1``); block_tables: ``i32[B, P]``;
+        kv_lens: ``i32[B]`` (the current token included).
+      options: the keywords of `gpu_ragged_paged_attention` but ``block_q``: ``scale``,
+        ``sliding_window``, ``soft_cap``, ``layer``, ``interpret``, ``pages_per_block``,
+        ``num_splits``, ``num_warps``, ``num_stages``.
+    Returns:
+      ``[B, H, D]`` in ``q.dtype``.
+    """
+    return decode_as_ragged(
+        gpu_ragged_paged_attention, q, k_pages, v_pages, block_tables, kv_lens, block_q=1, **options
+    )

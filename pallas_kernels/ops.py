@@ -18,10 +18,12 @@ picking one. Every implementation reads the stacked array in place through the l
 slice ``k_pages[layer]`` taken outside the kernel would be a copy of the layer's whole pool on
 every call, so the cost would follow the pool size instead of the live tokens.
 
-"auto" falls back to the reference on a GPU when the shapes are outside what the GPU kernel
+"auto" falls back to the XLA path on a GPU when the shapes are outside what the GPU kernel
 takes (block size or head dim not a power of two), rather than failing; an explicit
-``impl="gpu"`` raises instead. Every input is checked here, at trace time, with errors that name
-the offending argument; the kernels behind this call assume valid inputs.
+``impl="gpu"`` raises instead; ``impl="tpu"`` needs a block size that is a multiple of 8. Every
+input is checked here, once, at trace time, with errors that name the offending argument (the
+layer, the pages, q, the tables and lengths, the options, the forced kernel's shape limits); the
+implementations behind this call assume valid inputs and check only their own tuning knobs.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import gpu_paged_attention as _gpu
 from pallas_kernels import reference as _ref
@@ -68,42 +71,66 @@ def resolve_impl(impl: Impl, page_size: int, head_dim: int, backend: str | None 
 
 def _check_int(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
     if x.shape != shape or x.dtype != jnp.int32:
-        raise ValueError(f"{name}.shape={x.shape}, dtype={x.dtype} must be {shape}, int32")
+        raise ValueError(
+            f"{name} must be int32 of shape {shape}; got {name}.shape={x.shape}, {x.dtype}"
+        )
 
 
-def _check_inputs(
-    q,
-    k_pages,
-    v_pages,
-    block_tables,
-    kv_lens,
-    cu_q_lens,
-    num_seqs,
-    layer,
-    *,
-    scale,
-    sliding_window,
-    soft_cap,
-):
-    if q.ndim != 3:
-        raise ValueError(f"{q.shape=} must be [B, H, D] (decode) or [T, H, D] (ragged)")
-    if k_pages.ndim != 5:
+def _check_layer(layer, num_layers: int) -> jax.Array | int:
+    """``layer`` of stacked pages: an int (or concrete integer scalar) must lie in [0, L) and is
+    returned as an int; a traced one must be an integer scalar (its range is unknown: the
+    kernels clamp it) and is returned as ``i32[]``."""
+    try:
+        value = np.asarray(layer)  # an int, a NumPy integer or a concrete array
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        # Traced (e.g. a scan counter): only its type can be checked.
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(
+                f"layer must be an integer scalar; got {jnp.result_type(layer)}"
+                f"{list(jnp.shape(layer))}"
+            ) from None
+        return jnp.asarray(layer, jnp.int32)
+    if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer):
+        raise ValueError(f"{layer=} must be an int or an integer scalar")
+    if not 0 <= value < num_layers:
+        raise ValueError(f"{layer=} must be in [0, {num_layers}) (the pages' layers)")
+    return int(value)
+
+
+def _stack_pages(k_pages, v_pages, layer):
+    """The pages as ``[L, KVH, N, bs, D]`` (one layer's as a stack of one: a bitcast, no copy)
+    and the checked layer."""
+    if k_pages.ndim not in (4, 5):
         raise ValueError(f"{k_pages.shape=} must be [KVH, N, bs, D] or [L, KVH, N, bs, D]")
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
+    if k_pages.ndim == 5:
+        if layer is None:
+            raise ValueError(f"stacked pages {k_pages.shape=} [L, KVH, N, bs, D] need a layer")
+        return k_pages, v_pages, _check_layer(layer, k_pages.shape[0])
+    if layer is not None and not (isinstance(layer, numbers.Integral) and layer == 0):
+        raise ValueError(f"{layer=} must be None or 0 for one layer's pages [KVH, N, bs, D]")
+    return k_pages[None], v_pages[None], 0
+
+
+def _check_arrays(q, k_pages, v_pages) -> None:  # pages [L, KVH, N, bs, D]
+    if q.ndim != 3:
+        raise ValueError(f"{q.shape=} must be [B, H, D] (decode) or [T, H, D] (ragged)")
     if q.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{q.dtype=} must be one of float32, bfloat16, float16")
+        raise ValueError(f"{q.dtype=} must be a floating dtype: float32, bfloat16 or float16")
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=}")
-    num_q, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     _, num_kv_heads, num_blocks, block_size, head_dim_k = k_pages.shape
-    _ref.check_layer(k_pages, layer)
     if head_dim_k != head_dim:
-        raise ValueError(f"{head_dim_k=} (k_pages.shape[3]) must equal {head_dim=} (q.shape[2])")
+        raise ValueError(f"{head_dim_k=} (k_pages.shape[-1]) must equal {head_dim=} (q.shape[2])")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
     if block_size < 1 or num_blocks < 1:
         raise ValueError(f"{block_size=} and {num_blocks=} must be >= 1")
+
+
+def _check_tables(block_tables, kv_lens, cu_q_lens, num_seqs, num_q: int) -> None:
     if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
         raise ValueError(f"{block_tables.shape=}, {block_tables.dtype=} must be [S, P], int32")
     num_seq_slots = block_tables.shape[0]
@@ -113,8 +140,11 @@ def _check_inputs(
     else:
         _check_int("cu_q_lens", cu_q_lens, (num_seq_slots + 1,))
         if num_seqs is not None and jnp.shape(num_seqs) != ():
-            raise ValueError(f"{jnp.shape(num_seqs)=} must be () (a scalar)")
+            raise ValueError(f"num_seqs.shape={jnp.shape(num_seqs)} must be () (a scalar)")
     _check_int("kv_lens", kv_lens, (num_seq_slots,))
+
+
+def _check_options(scale, sliding_window, soft_cap) -> None:
     if not isinstance(scale, numbers.Real) or scale <= 0:
         raise ValueError(f"{scale=} must be a positive Python number (static)")
     if sliding_window is not None and (
@@ -123,6 +153,27 @@ def _check_inputs(
         raise ValueError(f"{sliding_window=} must be None or a positive int")
     if soft_cap is not None and (not isinstance(soft_cap, numbers.Real) or soft_cap <= 0):
         raise ValueError(f"{soft_cap=} must be None or a positive number")
+
+
+def _check_kernel_shapes(which: str, block_size: int, head_dim: int) -> None:
+    if which == "gpu" and not _gpu_supports(block_size, head_dim):
+        raise ValueError(
+            f"{block_size=} and {head_dim=} must be powers of 2 (head_dim >= 16) for impl='gpu'"
+        )
+    if which == "tpu" and block_size % 8:
+        raise ValueError(f"{block_size=} must be a multiple of 8 for impl='tpu' (sublane tiling)")
+
+
+def _kernels(which: str):
+    """The ``(decode, ragged)`` functions of implementation ``which``."""
+    if which == "tpu":  # imported lazily so a missing or broken TPU module never breaks the rest
+        tpu = importlib.import_module("pallas_kernels.tpu_paged_attention")
+        return tpu.tpu_paged_attention_decode, tpu.tpu_ragged_paged_attention
+    return {
+        "reference": (_ref.paged_attention_decode_reference, _ref.ragged_paged_attention_reference),
+        "xla": (_xla.xla_paged_attention_decode, _xla.xla_ragged_paged_attention),
+        "gpu": (_gpu.gpu_paged_attention_decode, _gpu.gpu_ragged_paged_attention),
+    }[which]
 
 
 def paged_attention(
@@ -172,68 +223,22 @@ def paged_attention(
       ValueError: on inconsistent shapes or dtypes, a head count not divisible by the KV heads,
         a bad scale/window/cap, an unknown impl, or shapes the forced kernel cannot take.
     """
-    if k_pages.ndim == 4 and v_pages.ndim == 4:
-        if layer is not None and not (isinstance(layer, numbers.Integral) and layer == 0):
-            raise ValueError(f"{layer=} must be None or 0 for one layer's pages [KVH, N, bs, D]")
-        k_pages, v_pages = k_pages[None], v_pages[None]  # a bitcast, no copy
-    elif layer is None:
-        raise ValueError(f"stacked pages {k_pages.shape=} [L, KVH, N, bs, D] need a layer")
-    layer = 0 if layer is None else layer
-    _check_inputs(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        kv_lens,
-        cu_q_lens,
-        num_seqs,
-        layer,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
-    _, _, _, block_size, head_dim = k_pages.shape
+    k_pages, v_pages, layer = _stack_pages(k_pages, v_pages, layer)
+    _check_arrays(q, k_pages, v_pages)
+    _check_tables(block_tables, kv_lens, cu_q_lens, num_seqs, q.shape[0])
+    _check_options(scale, sliding_window, soft_cap)
+    block_size, head_dim = k_pages.shape[3:]
     which = resolve_impl(impl, block_size, head_dim)
+    _check_kernel_shapes(which, block_size, head_dim)
+
+    args = (q, k_pages, v_pages, block_tables, kv_lens)
+    if cu_q_lens is not None:
+        num_seqs = block_tables.shape[0] if num_seqs is None else num_seqs
+        args += (cu_q_lens, jnp.asarray(num_seqs, jnp.int32))
     soft_cap = None if soft_cap is None else float(soft_cap)
     sliding_window = None if sliding_window is None else int(sliding_window)
-    if not isinstance(layer, numbers.Integral):
-        layer = jnp.asarray(layer, jnp.int32)
     kw = dict(layer=layer, scale=float(scale), sliding_window=sliding_window, soft_cap=soft_cap)
-    ragged = cu_q_lens is not None
-    if ragged and num_seqs is None:
-        num_seqs = block_tables.shape[0]
-    if ragged:
-        args = (
-            q,
-            k_pages,
-            v_pages,
-            block_tables,
-            kv_lens,
-            cu_q_lens,
-            jnp.asarray(num_seqs, jnp.int32),
-        )
-    else:
-        args = (q, k_pages, v_pages, block_tables, kv_lens)
-
-    if which == "xla":
-        fn = _xla.xla_ragged_paged_attention if ragged else _xla.xla_paged_attention_decode
-        return fn(*args, **kw)
-    if which == "reference":
-        fn = (
-            _ref.ragged_paged_attention_reference
-            if ragged
-            else _ref.paged_attention_decode_reference
-        )
-        return fn(*args, **kw)
-    if which == "gpu":
-        if not _gpu_supports(block_size, head_dim):
-            raise ValueError(
-                f"{block_size=} and {head_dim=} must be powers of 2 (head_dim >= 16) for impl='gpu'"
-            )
-        fn = _gpu.gpu_ragged_paged_attention if ragged else _gpu.gpu_paged_attention_decode
-        return fn(*args, interpret=interpret, **kw)
-    # impl == "tpu": imported lazily so a missing or broken TPU module never breaks the rest.
-    _tpu = importlib.import_module("pallas_kernels.tpu_paged_attention")
-
-    fn = _tpu.tpu_ragged_paged_attention if ragged else _tpu.tpu_paged_attention_decode
-    return fn(*args, interpret=interpret, **kw)
+    if which in ("gpu", "tpu"):
+        kw["interpret"] = interpret
+    decode, ragged = _kernels(which)
+    return (decode if cu_q_lens is None else ragged)(*args, **kw)

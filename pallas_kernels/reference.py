@@ -7,6 +7,9 @@ Both forms follow docs/DESIGN.md:
   ``cu_q_lens[s]:cu_q_lens[s + 1]`` and its row ``j`` sits at position
   ``kv_lens[s] - q_len_s + j``. Rows at or past ``cu_q_lens[num_seqs]`` are padding (zeros).
 
+The decode form runs as the ragged one on one-row sequences, and the ragged rows' sequences and
+positions come from `pallas_kernels.layout.ragged_rows`, the mapping every implementation shares.
+
 How it is computed: every query token gathers the K/V pages of its own sequence through the
 block table (``[KVH, P * bs, D]`` per token) and attends with a dense masked softmax in float32.
 Gathering per token wastes nothing in decode (one token per sequence) and keeps one code path for
@@ -24,15 +27,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-__all__ = [
-    "check_layer",
-    "paged_attention_decode_reference",
-    "query_blocks",
-    "ragged_paged_attention_reference",
-    "stacked_pages",
-]
+from pallas_kernels.layout import decode_as_ragged, ragged_rows, stacked_pages
+
+__all__ = ["paged_attention_decode_reference", "ragged_paged_attention_reference"]
 
 _DEFAULT_MAX_CHUNK_BYTES = 512 * 1024 * 1024
 
@@ -90,43 +88,8 @@ def _chunk_size(num_tokens: int, k_pages: jax.Array, num_pages_per_seq: int, max
     return max(1, min(num_tokens, max_bytes // max(per_token, 1)))
 
 
-def check_layer(k_pages: jax.Array, layer) -> jax.Array | int:
-    """Checks ``layer`` against pages ``[L, KVH, N, bs, D]`` (or one layer's ``[KVH, N, bs, D]``,
-    L = 1) before any jit: an int (or concrete integer scalar) must lie in [0, L); a traced one
-    must be an integer scalar (its range is unknown: `stacked_pages` clamps it). Returns it."""
-    if k_pages.ndim not in (4, 5):
-        raise ValueError(
-            f"k_pages must be [L, KVH, N, bs, D] or [KVH, N, bs, D]; got {k_pages.shape=}"
-        )
-    num_layers = k_pages.shape[0] if k_pages.ndim == 5 else 1
-    try:
-        value = np.asarray(layer)  # an int, a NumPy integer or a concrete array
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        # Traced (e.g. a scan counter): only its type can be checked.
-        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-            raise ValueError(
-                f"layer must be an integer scalar; got {jnp.result_type(layer)}"
-                f"{list(jnp.shape(layer))}"
-            ) from None
-        return layer
-    if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer):
-        raise ValueError(f"{layer=} must be an int or an integer scalar")
-    if not 0 <= value < num_layers:
-        raise ValueError(f"{layer=} must be in [0, {num_layers}) (the pages' layers)")
-    return int(value)
-
-
-def stacked_pages(k_pages: jax.Array, v_pages: jax.Array, layer):
-    """``[L, KVH, N, bs, D]`` views of the pages (one layer's become a stack of one, a bitcast)
-    and the layer as ``i32[]``, clamped into [0, L) (a wild page address would fault)."""
-    if k_pages.ndim == 4:
-        k_pages, v_pages = k_pages[None], v_pages[None]
-    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_pages.shape[0] - 1)
-    return k_pages, v_pages, layer
-
-
-def _attend_all(q, k_pages, v_pages, tables, pos, *, max_chunk_bytes, layer, **kw):
-    """Runs `_attend_tokens` over all T tokens in memory-bounded chunks."""
+def _attend_all(q, k_pages, v_pages, tables, pos, layer, max_chunk_bytes, **kw):
+    """Runs `_attend_tokens` over all T tokens in memory-bounded chunks (``kw``: its options)."""
     t = q.shape[0]
     if t == 0:
         return jnp.zeros_like(q)
@@ -141,108 +104,6 @@ def _attend_all(q, k_pages, v_pages, tables, pos, *, max_chunk_bytes, layer, **k
         (q, tables, pos),
         batch_size=c,
     )
-
-
-@functools.partial(
-    jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "max_chunk_bytes")
-)
-def paged_attention_decode_reference(
-    q: jax.Array,  # [B, H, D]
-    k_pages: jax.Array,  # [KVH, N, bs, D] or [L, KVH, N, bs, D]
-    v_pages: jax.Array,  # same as k_pages
-    block_tables: jax.Array,  # i32[B, P]
-    kv_lens: jax.Array,  # i32[B]
-    *,
-    layer: jax.Array | int = 0,  # i32[]: the layer of stacked pages
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    max_chunk_bytes: int = _DEFAULT_MAX_CHUNK_BYTES,
-) -> jax.Array:  # [B, H, D]
-    """Decode attention: query b sits at position ``kv_lens[b] - 1``; ``kv_lens[b] == 0`` -> 0.
-
-    Args:
-      q: ``[B, H, D]`` one query token per sequence.
-      k_pages, v_pages: ``[KVH, N, bs, D]`` one layer's pages, or ``[L, KVH, N, bs, D]`` all
-        layers' with ``layer`` picking one (gathered in place, never sliced).
-      layer: i32[] or int, the layer of stacked pages.
-      block_tables: ``i32[B, P]`` physical block of each logical block (unused entries 0).
-      kv_lens: ``i32[B]`` cached tokens per sequence, the current one included.
-      scale: softmax scale applied to ``q . k``.
-      sliding_window: optional; key k is seen when ``pos - k < sliding_window``.
-      soft_cap: optional; ``logits = soft_cap * tanh(scale * q.k / soft_cap)``.
-      max_chunk_bytes: memory bound for the per-token gather (static).
-    Returns:
-      ``[B, H, D]`` in ``q.dtype``.
-    """
-    pos = kv_lens.astype(jnp.int32) - 1  # [B]; -1 sees no key
-    return _attend_all(
-        q,
-        k_pages,
-        v_pages,
-        block_tables.astype(jnp.int32),
-        pos,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        max_chunk_bytes=max_chunk_bytes,
-        layer=layer,
-    )
-
-
-def token_positions(
-    num_tokens: int,
-    kv_lens: jax.Array,  # i32[S]
-    cu_q_lens: jax.Array,  # i32[S+1]
-    num_seqs: jax.Array,  # i32[]
-) -> tuple[jax.Array, jax.Array]:
-    """Maps each row of a ragged batch to its sequence and position.
-
-    Returns ``(seq i32[T], pos i32[T])``; padding rows get ``pos == -1`` (they see no key) and
-    ``seq`` clipped into range. Entries of ``cu_q_lens`` past ``num_seqs`` are ignored.
-    """
-    s = kv_lens.shape[0]
-    num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    cu = cu_q_lens.astype(jnp.int32)
-    total = cu[num_seqs]
-    # Entries past num_seqs may hold anything: flatten them to `total` so `cu` is sorted.
-    cu = jnp.where(jnp.arange(s + 1) <= num_seqs, cu, total)  # [S+1]
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
-    # Row t belongs to s with cu[s] <= t < cu[s+1]; side="right" skips empty sequences.
-    seq = jnp.clip(jnp.searchsorted(cu, rows, side="right").astype(jnp.int32) - 1, 0, s - 1)
-    q_len = cu[seq + 1] - cu[seq]  # [T]
-    pos = kv_lens.astype(jnp.int32)[seq] - q_len + (rows - cu[seq])  # [T]
-    pos = jnp.where(rows < total, pos, -1)
-    return seq, pos
-
-
-def query_blocks(t, kv_lens, cu_q_lens, num_seqs, block_q):
-    """Splits each live sequence's rows of a ragged batch into blocks of <= ``block_q`` rows
-    (the query blocks of the XLA path and the GPU kernel). NB = (T + min(S, T) * (bq - 1)) // bq
-    bounds the blocks any batch needs; entries of ``cu_q_lens`` past ``num_seqs`` are ignored.
-
-    Returns ``(blk_seq i32[NB], blk_row0 i32[NB], blk_num i32[NB], blk_pos0 i32[NB], tok_blk
-    i32[T], tok_off i32[T], live bool[T])``: each block's sequence, first row in the flat batch,
-    row count (0 for unused blocks) and first position; each row's block and offset in it.
-    """
-    s = kv_lens.shape[0]
-    nb = max(1, (t + min(s, t) * (block_q - 1)) // block_q)
-    n_live = jnp.clip(num_seqs, 0, s)
-    # Entries past num_seqs may be garbage: flatten them to the end offset (keeps cu sorted).
-    cu = jnp.where(jnp.arange(s + 1) <= n_live, cu_q_lens, cu_q_lens[n_live]).astype(jnp.int32)
-    q_len = cu[1:] - cu[:-1]  # [S]
-    cu_blk = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(-(-q_len // block_q))])
-    blk = jnp.arange(nb, dtype=jnp.int32)
-    blk_seq = jnp.clip(jnp.searchsorted(cu_blk, blk, side="right") - 1, 0, s - 1)
-    first = (blk - cu_blk[blk_seq]) * block_q  # first row's offset in its sequence
-    blk_num = jnp.where(blk < cu_blk[s], jnp.clip(q_len[blk_seq] - first, 0, block_q), 0)
-    blk_pos0 = kv_lens[blk_seq] - q_len[blk_seq] + first
-    rows = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, s - 1).astype(jnp.int32)
-    live = (rows >= cu[0]) & (rows < cu[n_live])
-    off = rows - cu[seq]
-    tok_blk = jnp.where(live, cu_blk[seq] + off // block_q, 0)
-    return blk_seq, cu[blk_seq] + first, blk_num, blk_pos0, tok_blk, off % block_q, live
 
 
 @functools.partial(
@@ -275,21 +136,39 @@ def ragged_paged_attention_reference(
         ``k <= pos`` (and ``pos - k < sliding_window`` with a window).
       cu_q_lens: ``i32[S+1]`` query start offsets, ``cu_q_lens[0] == 0``.
       num_seqs: ``i32[]`` live sequences; rows at or past ``cu_q_lens[num_seqs]`` output 0.
-      scale, sliding_window, soft_cap, max_chunk_bytes: as in the decode form.
+      layer: ``i32[]`` or int, the layer of stacked pages.
+      scale: softmax scale applied to ``q . k``.
+      sliding_window: optional; key k is seen when ``pos - k < sliding_window``.
+      soft_cap: optional; ``logits = soft_cap * tanh(scale * q.k / soft_cap)``.
+      max_chunk_bytes: memory bound for the per-token gather (static).
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
     """
-    seq, pos = token_positions(q.shape[0], kv_lens, cu_q_lens, num_seqs)
-    tables = block_tables.astype(jnp.int32)[seq]  # [T, P]
-    return _attend_all(
-        q,
-        k_pages,
-        v_pages,
-        tables,
-        pos,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        max_chunk_bytes=max_chunk_bytes,
-        layer=layer,
+    rows = ragged_rows(q.shape[0], kv_lens, cu_q_lens, num_seqs)
+    tables = block_tables.astype(jnp.int32)[rows.seq]  # [T, P]
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return _attend_all(q, k_pages, v_pages, tables, rows.pos, layer, max_chunk_bytes, **kw)
+
+
+def paged_attention_decode_reference(q, k_pages, v_pages, block_tables, kv_lens, **options):
+    """Decode attention: query b sits at position ``kv_lens[b] - 1``; ``kv_lens[b] == 0`` -> 0.
+
+    The ragged reference on one-row sequences (`layout.decode_as_ragged`).
+
+    Args:
+      q: ``[B, H, D]`` one query token per sequence.
+      k_pages, v_pages: ``[KVH, N, bs, D]`` one layer's pages, or ``[L, KVH, N, bs, D]`` all
+        layers' with ``layer`` picking one (gathered in place, never sliced).
+      block_tables: ``i32[B, P]`` physical block of each logical block (unused entries 0).
+      kv_lens: ``i32[B]`` cached tokens per sequence, the current one included.
+      options: the keywords of `ragged_paged_attention_reference`: ``layer`` (``i32[]`` or
+        int, the layer of stacked pages), ``scale`` (softmax scale applied to ``q . k``),
+        ``sliding_window`` (key k is seen when ``pos - k < sliding_window``), ``soft_cap``
+        (``logits = soft_cap * tanh(scale * q.k / soft_cap)``), ``max_chunk_bytes`` (memory
+        bound for the per-token gather).
+    Returns:
+      ``[B, H, D]`` in ``q.dtype``.
+    """
+    return decode_as_ragged(
+        ragged_paged_attention_reference, q, k_pages, v_pages, block_tables, kv_lens, **options
     )

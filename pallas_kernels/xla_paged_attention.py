@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.reference import query_blocks
+from pallas_kernels.layout import decode_as_ragged, query_blocks, stacked_pages
 
 __all__ = ["xla_paged_attention_decode", "xla_ragged_paged_attention"]
 
@@ -64,8 +64,7 @@ def xla_ragged_paged_attention(
     ``block_q`` (static): query rows per block; default 1 for a decode step (``T <= S``), else
     16.
     """
-    if k_pages.ndim == 4:  # one layer's pages: a stack of one
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
     t, h, d = q.shape
     _, kvh, n, bs, _ = k_pages.shape
     s, p = block_tables.shape
@@ -149,33 +148,18 @@ def xla_ragged_paged_attention(
     return jnp.where(live[:, None, None], out, 0.0).astype(q.dtype)
 
 
-def xla_paged_attention_decode(
-    q: jax.Array,  # [B, H, D]
-    k_pages: jax.Array,  # [L, KVH, N, bs, D]
-    v_pages: jax.Array,
-    block_tables: jax.Array,  # i32[B, P]
-    kv_lens: jax.Array,  # i32[B]
-    *,
-    layer: jax.Array | int = 0,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    pages_per_chunk: int = 2,
-) -> jax.Array:  # [B, H, D]
-    """Decode form: one query per sequence, as a ragged batch of one-row sequences."""
-    b = q.shape[0]
-    cu = jnp.arange(b + 1, dtype=jnp.int32)
-    return xla_ragged_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        kv_lens,
-        cu,
-        jnp.int32(b),
-        layer=layer,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        pages_per_chunk=pages_per_chunk,
+def xla_paged_attention_decode(q, k_pages, v_pages, block_tables, kv_lens, **options):
+    """Decode form: one query per sequence, as a ragged batch of one-row sequences
+    (`layout.decode_as_ragged`, ``block_q = 1``).
+
+    Args:
+      q: ``[B, H, D]``; k_pages, v_pages: ``[L, KVH, N, bs, D]`` (or one layer's
+        ``[KVH, N, bs, D]``) in ``q.dtype``; block_tables: ``i32[B, P]``; kv_lens: ``i32[B]``.
+      options: the keywords of `xla_ragged_paged_attention` but ``block_q``: ``layer``,
+        ``scale``, ``sliding_window``, ``soft_cap``, ``pages_per_chunk``.
+    Returns:
+      ``[B, H, D]`` in ``q.dtype``.
+    """
+    return decode_as_ragged(
+        xla_ragged_paged_attention, q, k_pages, v_pages, block_tables, kv_lens, block_q=1, **options
     )

@@ -31,6 +31,7 @@ from jax import export
 from pallas_kernels import (
     gpu_paged_attention_decode,
     gpu_ragged_paged_attention,
+    paged_attention,
     paged_attention_decode_reference,
     ragged_paged_attention_reference,
 )
@@ -161,20 +162,21 @@ def test_decode_layers_in_scan():
 
 
 def test_rejects_bad_layer():
+    """Through `paged_attention(impl="gpu")`, which checks every input once for the kernels."""
     q = jnp.zeros((2, 4, 64))
     pages = jnp.zeros((NUM_LAYERS, 2, 5, 16, 64))
     tables, lens = jnp.zeros((2, 3), jnp.int32), jnp.ones((2,), jnp.int32)
-    decode = functools.partial(gpu_paged_attention_decode, scale=1.0, interpret=INTERPRET)
+    call = functools.partial(paged_attention, scale=1.0, impl="gpu", interpret=INTERPRET)
     for layer in (-1, NUM_LAYERS, np.int64(NUM_LAYERS), True, jnp.float32(1), jnp.zeros(2, int)):
         with pytest.raises(ValueError, match="layer"):
-            decode(q, pages, pages, tables, lens, layer=layer)
+            call(q, pages, pages, tables, lens, layer=layer)
     with pytest.raises(ValueError, match="layer"):  # one layer's pages: only layer 0
-        decode(q, pages[0], pages[0], tables, lens, layer=1)
+        call(q, pages[0], pages[0], tables, lens, layer=1)
     with pytest.raises(ValueError, match="k_pages"):
-        decode(q, pages[None], pages[None], tables, lens)
+        call(q, pages[None], pages[None], tables, lens)
     cu, n = jnp.array([0, 1, 2], jnp.int32), jnp.int32(2)
     with pytest.raises(ValueError, match="layer"):
-        gpu_ragged_paged_attention(q, pages, pages, tables, lens, cu, n, scale=1.0, layer=3)
+        call(q, pages, pages, tables, lens, cu, n, layer=3)
 
 
 # bs, kvh, group, head_dim, dtype, window, cap, tuning

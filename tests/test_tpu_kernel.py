@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import paged_attention
 from pallas_kernels.reference import (
     paged_attention_decode_reference,
     ragged_paged_attention_reference,
@@ -275,7 +276,8 @@ def test_kernels_lower_for_tpu(dtype, stacked):
 
 
 # ---------------------------------------------------------------------------------------------
-# Input checks (no kernel runs).
+# Input checks (no kernel runs): `paged_attention` checks the inputs once for both kernels, the
+# kernels only their own tuning knobs.
 
 
 def _small(dtype=jnp.float32, *, bs=16, heads=4, kv_heads=2, head_dim=128):
@@ -284,6 +286,11 @@ def _small(dtype=jnp.float32, *, bs=16, heads=4, kv_heads=2, head_dim=128):
     tables = jnp.zeros((3, 2), jnp.int32)
     lens = jnp.ones((3,), jnp.int32)
     return q, pages, tables, lens
+
+
+def _via_ops(*args, **kw):
+    """`paged_attention(impl="tpu")`: it checks every input once, for both TPU kernels."""
+    return paged_attention(*args, impl="tpu", interpret=True, **kw)
 
 
 @pytest.mark.parametrize(
@@ -297,12 +304,12 @@ def _small(dtype=jnp.float32, *, bs=16, heads=4, kv_heads=2, head_dim=128):
 def test_decode_rejects_bad_shapes(change, message):
     q, pages, tables, lens = _small(**change)
     with pytest.raises(ValueError, match=message):
-        tpu_paged_attention_decode(q, pages, pages, tables, lens, scale=1.0, interpret=True)
+        _via_ops(q, pages, pages, tables, lens, scale=1.0)
 
 
 def test_decode_rejects_bad_arguments():
     q, pages, tables, lens = _small()
-    call = tpu_paged_attention_decode
+    call = _via_ops
     with pytest.raises(ValueError, match="dtype"):
         call(q.astype(jnp.bfloat16), pages, pages, tables, lens, scale=1.0)
     with pytest.raises(ValueError, match="kv_lens must be int32"):
@@ -313,14 +320,14 @@ def test_decode_rejects_bad_arguments():
         call(q, pages, pages, tables, lens, scale=1.0, sliding_window=0)
     with pytest.raises(ValueError, match="soft_cap"):
         call(q, pages, pages, tables, lens, scale=1.0, soft_cap=-1.0)
-    with pytest.raises(ValueError, match="pages_per_chunk"):
-        call(q, pages, pages, tables, lens, scale=1.0, pages_per_chunk=3)
+    with pytest.raises(ValueError, match="pages_per_chunk"):  # the kernel's own knob
+        tpu_paged_attention_decode(q, pages, pages, tables, lens, scale=1.0, pages_per_chunk=3)
 
 
 def test_rejects_bad_layer():
     q, pages, tables, lens = _small()
     stacked = jnp.stack([pages] * NUM_LAYERS)
-    call = functools.partial(tpu_paged_attention_decode, scale=1.0, interpret=True)
+    call = functools.partial(_via_ops, scale=1.0)
     for layer in (-1, NUM_LAYERS, np.int64(NUM_LAYERS), True, jnp.float32(1), jnp.zeros(2, int)):
         with pytest.raises(ValueError, match="layer"):
             call(q, stacked, stacked, tables, lens, layer=layer)
@@ -330,18 +337,20 @@ def test_rejects_bad_layer():
         call(q, stacked[None], stacked[None], tables, lens)
     cu, n = jnp.array([0, 1, 2, 3], jnp.int32), jnp.int32(3)
     with pytest.raises(ValueError, match="layer"):
-        tpu_ragged_paged_attention(q, stacked, stacked, tables, lens, cu, n, scale=1.0, layer=3)
+        call(q, stacked, stacked, tables, lens, cu, n, layer=3)
 
 
 def test_ragged_rejects_bad_arguments():
     q, pages, tables, lens = _small()
     cu, n = jnp.array([0, 1, 2, 3], jnp.int32), jnp.int32(3)
-    call = tpu_ragged_paged_attention
+    call = _via_ops
     with pytest.raises(ValueError, match="cu_q_lens.shape"):
         call(q, pages, pages, tables, lens, cu[:3], n, scale=1.0)
     with pytest.raises(ValueError, match="num_seqs.shape"):
         call(q, pages, pages, tables, lens, cu, jnp.array([3, 3], jnp.int32), scale=1.0)
-    with pytest.raises(ValueError, match="queries_per_block"):
-        call(q, pages, pages, tables, lens, cu, n, scale=1.0, queries_per_block=12)
+    with pytest.raises(ValueError, match="queries_per_block"):  # the kernel's own knob
+        tpu_ragged_paged_attention(
+            q, pages, pages, tables, lens, cu, n, scale=1.0, queries_per_block=12
+        )
     with pytest.raises(ValueError, match="v_pages.shape"):
         call(q, pages, pages[:1], tables, lens, cu, n, scale=1.0)
