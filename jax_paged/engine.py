@@ -28,13 +28,14 @@ import numpy as np
 from flax import nnx
 
 from jax_paged import inputs
+from jax_paged.block_ops import BlockOpQueue
 from jax_paged.config import EngineConfig, size_kv_pool
 from jax_paged.metrics import EngineMetrics
 from jax_paged.model_runner import ModelRunner
 from jax_paged.output_processor import OutputProcessor, RequestState
-from jax_paged.outputs import RequestMetrics, RequestOutput
+from jax_paged.outputs import RequestOutput
 from jax_paged.sampling_params import SamplingParams
-from jax_paged.scheduler import Scheduler, Sequence, SequenceStatus, blocks_for
+from jax_paged.scheduler import Scheduler, Sequence, SequenceStatus
 from models.protocol import check_model
 
 logger = logging.getLogger("jax_paged")
@@ -54,10 +55,7 @@ class LLMEngine:
         self.loaded = loaded
         mc = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = list(loaded.generation_config.eos_token_ids or [])
-        if not self.eos_token_ids and self.tokenizer is not None:
-            if self.tokenizer.eos_token_id is not None:
-                self.eos_token_ids = [self.tokenizer.eos_token_id]
+        self.eos_token_ids = inputs.eos_token_ids(loaded)
         self.vocab_size = mc.vocab_size
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.max_num_seqs = config.max_num_seqs
@@ -84,18 +82,7 @@ class LLMEngine:
         self.caching = config.enable_prefix_caching
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
-        # Work for the next `prepare` call: slots to free, slot -> tokens whose full blocks to
-        # cache, (parent, child) slots to fork; n > 1 requests waiting to fork.
-        self._pending_free: list[int] = []
-        self._cache_reqs: dict[int, list[int]] = {}
-        self._fork_pairs: list[tuple[int, int]] = []
-        self._fork_waiting: dict[str, RequestState] = {}
-        # First blocks ever offered to the prefix cache: a prompt whose first block is not here
-        # cannot hit, so it is not looked up (a superset: evictions are not tracked, which only
-        # costs a lookup that finds nothing). Bounded: past a few times the pool's blocks it is
-        # dropped (None) and every waiting prompt is looked up.
-        self._cached_heads: set[tuple[int, ...]] | None = set()
-        self._max_cached_heads = max(4096, 4 * self.num_blocks)
+        self.ops = BlockOpQueue(bs, self.caching, max_cached_heads=max(4096, 4 * self.num_blocks))
         self._step_seqs: list[Sequence] | None = None  # the sequences of the step in flight
 
     @property
@@ -121,70 +108,22 @@ class LLMEngine:
 
     def _add_request(self, request_id: str, prompt, params) -> None:
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-            )
-        if params.n > self.config.max_n:
-            raise ValueError(
-                f"n={params.n} is more than max_n={self.config.max_n} (an EngineConfig / LLM "
-                "argument): ask for fewer sequences per request or raise max_n"
-            )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = inputs.parse_prompt(prompt, self.tokenizer)
-        inputs.check_request(
+        max_tokens = inputs.check_request(
             ids,
             params,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             max_logprobs=self.config.max_logprobs,
             has_tokenizer=self.tokenizer is not None,
+            max_n=self.config.max_n,
+            block_size=self.config.block_size,
+            usable_blocks=self.num_blocks - 1,
         )
-        # max_tokens=None: until max_model_len (vLLM's meaning).
-        max_tokens = params.max_tokens or self.max_model_len - len(ids)
-        longest = min(len(ids) + max_tokens, self.max_model_len)
-        need = blocks_for(longest, self.config.block_size)
-        if need > self.num_blocks - 1:
-            raise ValueError(
-                f"request needs up to {need} KV blocks ({longest} tokens) but the cache holds "
-                f"{self.num_blocks - 1}: lower max_tokens or raise num_kv_blocks"
-            )
-        if params.uses_penalties and not self.runner.tracks_tokens:
-            try:
-                self.runner.start_tracking_tokens(
-                    [q for q in self.scheduler.running if q.slot is not None]
-                )
-            except Exception as e:  # a device call: contained as a failed step would be
-                self._step_seqs = None
-                self._recover(e)
-                raise
-
-        seqs = [
-            Sequence(next(self._seq_ids), request_id, list(ids), max_tokens)
-            for _ in range(params.n)
-        ]
-        req = RequestState(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=list(ids),
-            params=params,
-            seqs=seqs,
-            metrics=RequestMetrics(arrival_time=time.time()),
-            outputs=self.output.new_outputs(params),
-        )
-        for i, s in enumerate(seqs):
-            s.params, s.request, s.index = params.child_params(i), req, i
-        # n > 1: the first sequence prefills the prompt but its last token; the others are then
-        # forked from it, sharing its blocks (copy-on-write of the partial last block).
-        if len(seqs) > 1 and len(ids) > 1:
-            seqs[0].prefill_cap = len(ids) - 1
-            req.pending_forks = seqs[1:]
-            self._fork_waiting[request_id] = req
-            self.scheduler.add(seqs[0])
-        else:
-            for s in seqs:
-                self.scheduler.add(s)
+        req = self.output.new_request(request_id, text, ids, params, max_tokens, self._seq_ids)
+        self.ops.add_request(req, self.scheduler)
         self.requests[request_id] = req
         self.metrics.add("num_requests")
         self.metrics.add("prompt_tokens", len(ids))
@@ -194,28 +133,26 @@ class LLMEngine:
         req = self.requests.pop(str(request_id), None)
         if req is None:
             return False
-        self._fork_waiting.pop(req.request_id, None)
-        for s in req.pending_forks:
-            s.status = SequenceStatus.FINISHED
-            s.finish_reason = "abort"
-        req.pending_forks = []
-        for s in req.seqs:
-            if s.status is not SequenceStatus.FINISHED:
-                self._finish_seq(s, "abort", None)
+        self._abort_seqs(req)
         self.metrics.add("num_aborted")
         return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _abort_seqs(self, req: RequestState) -> None:
+        self.ops.fork_waiting.pop(req.request_id, None)
+        for s in req.pending_forks:  # siblings waiting for a fork are queued nowhere
+            s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
+        req.pending_forks = []
+        for s in req.seqs:
+            if s.status is not SequenceStatus.FINISHED:
+                self._finish_seq(s, "abort", None)
+
     def _finish_seq(self, seq: Sequence, reason: str, stop_reason) -> None:
-        if seq.slot is not None:
-            self._pending_free.append(seq.slot)
-            if self.caching and seq.num_computed >= self.config.block_size:
-                self._cache_reqs[seq.slot] = seq.all_token_ids[: seq.num_computed]
+        self.ops.release(seq)
         self.scheduler.finish(seq)
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -235,52 +172,24 @@ class LLMEngine:
             return self._recover(e)
 
     def _step(self) -> list[RequestOutput]:
-        self._fork_ready()
-        hinted = self._prepare(lookup=self.caching, flush=False)
+        self.ops.fork_ready(self.scheduler)
+        hinted = self.ops.prepare(self.runner, self.scheduler, lookup=self.caching, flush=False)
         sched = self.scheduler.schedule()
         for q in hinted:  # the lookup holds for this step only
             q.prefix_hit = q.prefix_revive = 0
         self._step_seqs = [c.seq for c in sched.chunks]
-        self._pending_free += self.scheduler.drain_preempted_slots()
-        for q in sched.admitted if self.caching else ():
-            if q.num_preemptions == 0 and q.params.prompt_logprobs is None:
-                self.metrics.add("prefix_cache_queries", len(q.prompt_token_ids))
-                self.metrics.add("prefix_cache_hits", q.num_cached_tokens)
-        for s in sched.preempted:
-            s.request.metrics.num_preemptions += 1
-            logger.warning(
-                "preempted request %s (recompute); KV cache is full. %d preemptions so far",
-                s.request_id,
-                self.scheduler.num_preemptions,
-            )
+        self.ops.free += self.scheduler.drain_preempted_slots()
+        self.metrics.on_schedule(sched, self.scheduler, self.caching)
         if not sched.chunks:
             return []
-        now = time.time()
-        for c in sched.chunks:
-            if c.seq.request.metrics.first_scheduled_time is None:
-                c.seq.request.metrics.first_scheduled_time = now
         admitted = [s for s in self.scheduler.running if s.needs_row_init]
-        if admitted:
-            cached, num_free = self.runner.admit(admitted, sched.fresh)
-            for c, n in zip(sched.fresh, cached, strict=True):
-                if n != c.start:
-                    raise RuntimeError(
-                        f"prefix cache: the lookup found {c.start} tokens for request "
-                        f"{c.seq.request_id} but matching found {n}"
-                    )
+        if admitted:  # raises if matching finds other blocks than the lookup did
+            num_free = self.runner.admit(admitted, sched.fresh, self.scheduler.running)
             if sched.fresh:
                 self.scheduler.started_from_cache(sched.chunks, num_free)
-            for s in admitted:
-                s.needs_row_init = False
-
         t0 = time.perf_counter()
         progressed: dict[str, RequestState] = {}
-        if (
-            sched.all_decode
-            and self.config.max_decode_steps > 1
-            and not self.scheduler.waiting
-            and not any(c.seq.params.prompt_logprobs is not None for c in sched.chunks)
-        ):
+        if sched.loopable and not self.scheduler.waiting and self.config.max_decode_steps > 1:
             self._run_decode_loop(sched, progressed)
         else:
             self._run_mixed(sched, progressed)
@@ -293,7 +202,7 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 self.metrics.add("num_finished")
         if not self.scheduler.has_unfinished():
-            self._prepare()  # free the last slots: an idle engine holds no blocks
+            self.ops.prepare(self.runner, self.scheduler)  # an idle engine holds no blocks
         return outs
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
@@ -302,29 +211,16 @@ class LLMEngine:
         step_reqs = {id(q.request): q.request for q in self._step_seqs or []}.values()
         # Requests of the step still in flight (one that finished in it has been reported).
         failed = [r for r in step_reqs if r.request_id in self.requests and not r.finished]
-        logger.error(
-            "engine step failed (%s: %s); failing %d requests, rebuilding the KV cache and "
-            "re-prefilling %d running sequences",
-            type(exc).__name__,
-            exc,
-            len(failed),
-            sum(s.request not in failed for s in self.scheduler.running),
-            exc_info=exc,
-        )
+        msg = f"engine step failed: {type(exc).__name__}: {exc}"
+        n_other = sum(s.request not in failed for s in self.scheduler.running)
+        note = f"failing {len(failed)} requests, re-prefilling {n_other} running sequences"
+        logger.error("%s; %s, rebuilding the KV cache", msg, note, exc_info=exc)
         # The traceback's frames hold the old state's arrays: let them go before re-allocating.
         traceback.clear_frames(exc.__traceback__)
         self.metrics.add("num_step_failures")
-        msg = f"engine step failed: {type(exc).__name__}: {exc}"
         outs = []
         for req in failed:
-            self._fork_waiting.pop(req.request_id, None)
-            for s in req.seqs:
-                if s.status is not SequenceStatus.FINISHED:
-                    if s not in req.pending_forks:  # pending forks are not queued anywhere
-                        self.scheduler.finish(s)
-                    s.status = SequenceStatus.FINISHED
-                    s.finish_reason = "abort"
-            req.pending_forks = []
+            self._abort_seqs(req)
             req.error = msg
             req.metrics.finished_time = time.time()
             self.requests.pop(req.request_id, None)
@@ -334,155 +230,58 @@ class LLMEngine:
             self.scheduler.preempt(s)
         self.scheduler.drain_preempted_slots()
         self.scheduler.num_free_blocks = self.scheduler.num_blocks
-        self._pending_free, self._cache_reqs, self._fork_pairs = [], {}, []
-        self._cached_heads = set()
+        self.ops.reset()
         self.runner.reset()
         return outs
-
-    # -- sharing ---------------------------------------------------------------------------
-    def _fork_ready(self) -> None:
-        """Forks the siblings of n > 1 leaders that have prefilled all but the last prompt
-        token. Siblings that find no free slot prefill on their own later (their prompt's full
-        blocks are then found in the prefix cache)."""
-        for rid, req in list(self._fork_waiting.items()):
-            leader = req.seqs[0]
-            if leader.status is not SequenceStatus.RUNNING:
-                continue
-            if leader.num_computed < leader.prefill_cap:
-                continue
-            for child in req.pending_forks:
-                if self.scheduler.fork(leader, child):
-                    self._fork_pairs.append((leader.slot, child.slot))
-                else:
-                    self.scheduler.add(child)
-            req.pending_forks = []
-            leader.prefill_cap = None
-            del self._fork_waiting[rid]
-
-    def _prepare(self, lookup: bool = False, flush: bool = True) -> list[Sequence]:
-        """The ``prepare`` call for the work queued between steps, if any; with ``lookup``
-        the prompts of the waiting sequences that may be admitted next are looked up in the
-        prefix cache (their ``prefix_hit`` / ``prefix_revive`` are set). Afterwards the
-        scheduler's free-block count is the device's. Returns the sequences given hints.
-
-        Without ``flush``, blocks queued for caching alone do not make a call: they wait for
-        the next one (a free, a fork, or a waiting prompt that could use them), so a workload
-        without prefix hits pays no extra call for caching."""
-        bs = self.config.block_size
-        heads = self._cached_heads
-        cand = []
-        if lookup:
-            pending = {tuple(t[:bs]) for t in self._cache_reqs.values()}
-            room = min(len(self.scheduler.free_slots), self.max_num_seqs)
-            for q in itertools.islice(self.scheduler.waiting, room):
-                # A prompt whose first block was never cached cannot hit; cached positions
-                # have no logits, so prompt_logprobs requests compute their whole prompt.
-                head = tuple(q.all_token_ids[:bs])
-                if (
-                    q.num_computed == 0
-                    and q.params.prompt_logprobs is None
-                    and q.num_tokens > bs
-                    and (heads is None or head in heads or head in pending)
-                ):
-                    cand.append(q)
-        if not (self._pending_free or self._fork_pairs or cand or (flush and self._cache_reqs)):
-            return []
-        if heads is not None:
-            heads.update(tuple(toks[:bs]) for toks in self._cache_reqs.values())
-            if len(heads) > self._max_cached_heads:
-                self._cached_heads = None
-        cache, free, forks = self._cache_reqs, self._pending_free, self._fork_pairs
-        self._cache_reqs, self._pending_free, self._fork_pairs = {}, [], []
-        num_free, found = self.runner.prepare(cache, free, forks, [q.all_token_ids for q in cand])
-        self.scheduler.num_free_blocks = num_free
-        for q, (hit, revive) in zip(cand, found, strict=True):
-            q.prefix_hit, q.prefix_revive = hit, revive
-        return cand
 
     # -- running a step --------------------------------------------------------------------
     def _run_mixed(self, sched, progressed) -> None:
         chunks = sched.chunks
-        free, self._pending_free = self._pending_free, []
+        free, self.ops.free = self.ops.free, []
         out, want_plp = self.runner.mixed(chunks, free)
-        self.scheduler.num_free_blocks = int(out.num_free)
-        bs = self.config.block_size
         done = {id(c.seq): c.start + c.length for r, c in enumerate(chunks) if out.ok[r]}
-        self._after_step([done.get(id(q), q.num_computed) for q in self.scheduler.running])
+        lengths = [done.get(id(q), q.num_computed) for q in self.scheduler.running]
+        self.ops.free += self.scheduler.update_from_mixed(chunks, out.ok, int(out.num_free))
+        self.metrics.after_step(lengths, self.scheduler)
         off = 0
         for r, c in enumerate(chunks):
-            s = c.seq
+            s, off = c.seq, off + c.length
             if not out.ok[r]:
-                # The pool could not hold it after all (blocks shared with others freed fewer
-                # than estimated): nothing ran for it; recompute it later.
-                self.scheduler.preempt(s)
-                self._pending_free += self.scheduler.drain_preempted_slots()
-                off += c.length
                 continue
             if want_plp and s.params.prompt_logprobs is not None:
-                self.output.record_prompt_logprobs(s, c.start, c.length, out.prompt_lp, off)
-            off += c.length
-            s.num_computed += c.length
-            if self.caching and s.num_computed // bs > c.start // bs:
-                self._cache_reqs[s.slot] = s.all_token_ids[: s.num_computed]
+                plp = out.prompt_lp
+                self.output.record_prompt_logprobs(s, c.start, c.length, plp, off - c.length)
+            self.ops.filled(s, c.start)
             if c.samples:
-                self._append(
-                    s,
-                    [int(out.tokens[r])],
-                    [float(out.logprobs[r])],
-                    [int(out.ranks[r])],
-                    [out.top_ids[r]],
-                    [out.top_logprobs[r]],
-                )
+                self._append(s, out, r, 1, step_axis=False)
                 progressed[s.request_id] = s.request
 
     def _run_decode_loop(self, sched, progressed) -> None:
         seqs = [c.seq for c in sched.chunks]
-        remaining = max(
-            min(s.max_tokens - len(s.output_token_ids), self.max_model_len - s.num_tokens)
-            for s in seqs
-        )
-        k = self.scheduler.decode_horizon(seqs, min(self.config.max_decode_steps, remaining))
-        if self._pending_free:  # slots preempted while scheduling: the loop must not reuse them
-            self._prepare()
+        k = self.scheduler.decode_horizon(seqs, self.config.max_decode_steps, self.max_model_len)
+        if self.ops.free:  # slots preempted while scheduling: the loop must not reuse them
+            self.ops.prepare(self.runner, self.scheduler)
         out = self.runner.decode(seqs, k)
-        self.scheduler.num_free_blocks = int(out.num_free)
-        n = int(out.num_steps)
-        self.metrics.add("decode_loop_tokens", int(np.sum(out.tokens[:n] >= 0)))
-        self._after_step(
-            [q.num_computed + int(np.sum(out.tokens[:n, r] >= 0)) for r, q in enumerate(seqs)]
-        )
+        made = np.sum(out.tokens[: int(out.num_steps), : len(seqs)] >= 0, axis=0)  # per row
+        self.metrics.add("decode_loop_tokens", int(made.sum()))
+        self.scheduler.update_from_decode(seqs, made, int(out.num_free))
+        self.metrics.after_step([q.num_computed for q in seqs], self.scheduler)
         for r, s in enumerate(seqs):
-            toks = out.tokens[:n, r]
-            m = int(np.sum(toks >= 0))
-            # The device reserved exactly the m tokens it computed: bring the host mirror in line
-            # (the scheduler had granted one step) before finishing can release the blocks.
-            s.num_computed += m
-            # The device count above already includes these blocks: only the table size moves.
-            s.num_blocks = blocks_for(s.num_computed, self.config.block_size)
-            self._append(
-                s,
-                [int(x) for x in toks[:m]],
-                out.logprobs[:m, r].tolist(),
-                out.ranks[:m, r].tolist(),
-                list(out.top_ids[:m, r]),
-                list(out.top_logprobs[:m, r]),
-            )
+            self._append(s, out, r, int(made[r]), step_axis=True)
             progressed[s.request_id] = s.request
 
-    def _after_step(self, lengths: list[int]) -> None:
-        sch = self.scheduler
-        self.metrics.after_step(
-            lengths, self.config.block_size, sch.num_blocks, sch.num_free_blocks
-        )
-
-    def _append(self, s, tokens, lps, ranks, top_ids, top_lps) -> None:
-        kept, reason = self.output.append(s, tokens, lps, ranks, top_ids, top_lps)
+    def _append(self, s: Sequence, out, r: int, m: int, step_axis: bool) -> None:
+        """Gives row ``r``'s first ``m`` tokens of ``out`` (arrays [steps, rows] with
+        ``step_axis``, else [rows]) to the output processor; finishes ``s`` if one stops it."""
+        arrays = (out.tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)
+        cols = [a[:m, r] if step_axis else a[r : r + 1] for a in arrays]
+        toks, lps, ranks = cols[0].tolist(), cols[1].tolist(), cols[2].tolist()
+        kept, reason = self.output.append(s, toks, lps, ranks, list(cols[3]), list(cols[4]))
         self.metrics.add("generated_tokens", kept)
         if reason is not None:
             self._finish_seq(s, *reason)
             s.request.metrics.finished_time = time.time()
 
-    # -- metrics ---------------------------------------------------------------------------
     def get_metrics(self) -> dict:
         """Counters and gauges of the engine (a plain dict; the README lists them)."""
         return self.metrics.build(

@@ -47,6 +47,15 @@ def parse_prompt(prompt, tokenizer) -> tuple[str | None, list[int]]:
     )
 
 
+def eos_token_ids(loaded) -> list[int]:
+    """The EOS ids of a `models.LoadedModel`: its generation config's, else its tokenizer's."""
+    ids = list(loaded.generation_config.eos_token_ids or [])
+    tok = loaded.tokenizer
+    if not ids and tok is not None and tok.eos_token_id is not None:
+        ids = [tok.eos_token_id]
+    return ids
+
+
 def check_request(
     ids: list[int],
     params: SamplingParams,
@@ -55,8 +64,23 @@ def check_request(
     max_model_len: int,
     max_logprobs: int,
     has_tokenizer: bool,
-) -> None:
-    """The checks of one request that need the model's sizes. Raises ValueError."""
+    max_n: int | None = None,
+    block_size: int | None = None,
+    usable_blocks: int | None = None,
+) -> int:
+    """The checks of one request that need the engine's sizes. Raises ValueError naming the
+    field. Returns the request's max_tokens (None means until max_model_len, as in vLLM).
+
+    With ``max_n``, ``n`` (and ``best_of``) must not exceed it; with ``block_size`` and
+    ``usable_blocks`` (the KV pool less the null block) the longest sequence must fit the pool.
+    """
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if max_n is not None and params.n > max_n:
+        raise ValueError(
+            f"n={params.n} is more than max_n={max_n} (an EngineConfig / LLM argument): ask "
+            "for fewer sequences per request or raise max_n"
+        )
     if not ids:
         raise ValueError("prompt is empty: it must hold at least one token")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -78,3 +102,13 @@ def check_request(
     for t in params.stop_token_ids or []:
         if not 0 <= t < vocab_size:
             raise ValueError(f"stop_token_ids: {t} must be in [0, {vocab_size})")
+    max_tokens = params.max_tokens or max_model_len - len(ids)
+    if block_size is not None and usable_blocks is not None:
+        longest = min(len(ids) + max_tokens, max_model_len)
+        need = -(-longest // block_size)
+        if need > usable_blocks:
+            raise ValueError(
+                f"request needs up to {need} KV blocks ({longest} tokens) but the cache holds "
+                f"{usable_blocks}: lower max_tokens or raise num_kv_blocks"
+            )
+    return max_tokens

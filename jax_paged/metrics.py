@@ -42,13 +42,34 @@ class EngineMetrics:
     def add(self, name: str, n=1) -> None:
         self.counts[name] += n
 
-    def after_step(self, lengths: list[int], block_size: int, num_blocks: int, num_free: int):
+    def on_schedule(self, sched, scheduler, caching: bool) -> None:
+        """Stamps first scheduling times, counts a step's prefix-cache lookups (first
+        admissions only) and logs preemptions."""
+        now = time.time()
+        for c in sched.chunks:
+            if c.seq.request.metrics.first_scheduled_time is None:
+                c.seq.request.metrics.first_scheduled_time = now
+        for q in sched.admitted if caching else ():
+            if q.num_preemptions == 0 and q.params.prompt_logprobs is None:
+                self.counts["prefix_cache_queries"] += len(q.prompt_token_ids)
+                self.counts["prefix_cache_hits"] += q.num_cached_tokens
+        for s in sched.preempted:
+            s.request.metrics.num_preemptions += 1
+            logger.warning(
+                "preempted request %s (recompute); KV cache is full. %d preemptions so far",
+                s.request_id,
+                scheduler.num_preemptions,
+            )
+
+    def after_step(self, lengths: list[int], scheduler) -> None:
         """One step's KV accounting: usage peak, and block-table entries (logical blocks: what
         the running sequences of ``lengths`` tokens would hold without sharing) against
-        physical blocks in use (cached-but-free excluded)."""
-        used = num_blocks - num_free
+        physical blocks in use (cached-but-free excluded), as the scheduler last heard."""
+        num_blocks = scheduler.num_blocks
+        used = num_blocks - scheduler.num_free_blocks
         self.peak_kv_usage = max(self.peak_kv_usage, used / max(1, num_blocks))
-        self.counts["logical_block_steps"] += sum(blocks_for(n, block_size) for n in lengths)
+        bs = scheduler.block_size
+        self.counts["logical_block_steps"] += sum(blocks_for(n, bs) for n in lengths)
         self.counts["physical_block_steps"] += used
 
     def build(self, *, scheduler, runner, output, num_kv_blocks: int) -> dict[str, Any]:

@@ -221,10 +221,15 @@ class ModelRunner:
         found = [(int(hit[i]), int(revive[i])) for i in range(len(lookup))]
         return int(num_free), found
 
-    def admit(self, seqs: list[Sequence], fresh: list[ScheduledChunk]) -> tuple[list[int], int]:
+    def admit(self, seqs: list[Sequence], fresh: list[ScheduledChunk], running=()) -> int:
         """Starts the ``fresh`` chunks' sequences from the prefix cache in their slots and sets
-        the sampling rows of the admitted ``seqs``. Returns (cached tokens per fresh chunk,
-        free blocks)."""
+        the sampling rows of the admitted ``seqs`` (their ``needs_row_init`` is cleared).
+        The first sequence with penalties switches the sampling history to per-slot token
+        counts, filled in for the other ``running`` sequences. Returns the free blocks. Raises
+        RuntimeError if a fresh chunk's sequence matched other than the ``c.start`` cached
+        tokens its lookup found."""
+        if not self.tracks_tokens and any(s.params.uses_penalties for s in seqs):
+            self.start_tracking_tokens([q for q in running if not q.needs_row_init])
         m = _pow2_at_least(max(len(seqs), self.max_num_seqs))  # one shape: one compiled variant
         slots = np.full(m, -1, np.int32)
         for i, s in enumerate(seqs):
@@ -247,7 +252,15 @@ class ModelRunner:
             args = (self.state, *match, slots, n_out)
             key, fn = (m,), _admit_untracked
         self.state, cached, num_free = self.call("admit", fn, key, args, {})
-        return [int(cached[i]) for i in range(len(fresh))], int(num_free)
+        for i, c in enumerate(fresh):
+            if int(cached[i]) != c.start:
+                raise RuntimeError(
+                    f"prefix cache: the lookup found {c.start} tokens for request "
+                    f"{c.seq.request_id} but matching found {int(cached[i])}"
+                )
+        for s in seqs:
+            s.needs_row_init = False
+        return int(num_free)
 
     def start_tracking_tokens(self, running: list[Sequence]) -> None:
         """Switches the sampling history to per-slot token counts (penalties need them),

@@ -31,6 +31,7 @@ from jax_paged.outputs import (
     make_logprobs_dict,
 )
 from jax_paged.sampling_params import SamplingParams
+from jax_paged.scheduler import Sequence, SequenceStatus
 
 
 class IncrementalDetokenizer:
@@ -110,8 +111,6 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        from jax_paged.scheduler import SequenceStatus
-
         return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
 
 
@@ -129,6 +128,23 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.chars_decoded = 0  # characters the incremental detokenizers produced, in all
+
+    def new_request(self, request_id, text, ids, params, max_tokens, seq_ids) -> RequestState:
+        """The `RequestState` of an accepted request: ``params.n`` sequences (ids drawn from the
+        iterator ``seq_ids``), each with its own child params, and their outputs."""
+        seqs = [Sequence(next(seq_ids), request_id, list(ids), max_tokens) for _ in range(params.n)]
+        req = RequestState(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=list(ids),
+            params=params,
+            seqs=seqs,
+            metrics=RequestMetrics(arrival_time=time.time()),
+            outputs=self.new_outputs(params),
+        )
+        for i, s in enumerate(seqs):
+            s.params, s.request, s.index = params.child_params(i), req, i
+        return req
 
     def new_outputs(self, params: SamplingParams) -> list[SequenceOutput]:
         out = []

@@ -131,6 +131,11 @@ class SchedulerOutput:
     def all_decode(self) -> bool:
         return bool(self.chunks) and all(c.seq.is_decoding for c in self.chunks)
 
+    @property
+    def loopable(self) -> bool:
+        """All decodes and none wants prompt log-probs: a multi-step decode loop may run it."""
+        return self.all_decode and all(c.seq.params.prompt_logprobs is None for c in self.chunks)
+
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -309,10 +314,35 @@ class Scheduler:
         self.running.append(child)
         return True
 
-    def decode_horizon(self, seqs: list[Sequence], max_steps: int) -> int:
+    def update_from_mixed(self, chunks: list[ScheduledChunk], ok, num_free: int) -> list[int]:
+        """The device ran the ``chunks`` whose ``ok`` is set and reports ``num_free`` free
+        blocks. A refused chunk (blocks shared with others freed fewer than estimated) ran
+        nothing: its sequence is preempted and recomputes later. Returns the slots to free."""
+        self.num_free_blocks = num_free
+        for r, c in enumerate(chunks):
+            if ok[r]:
+                c.seq.num_computed += c.length
+            else:
+                self.preempt(c.seq)
+        return self.drain_preempted_slots()
+
+    def update_from_decode(self, seqs: list[Sequence], made, num_free: int) -> None:
+        """A decode loop computed ``made[r]`` tokens of ``seqs[r]`` (the device reserved exactly
+        those; the plan had granted one step) and reports ``num_free`` free blocks, which
+        already count the blocks they took: only the table sizes move."""
+        self.num_free_blocks = num_free
+        for s, m in zip(seqs, made, strict=True):
+            s.num_computed += int(m)
+            s.num_blocks = blocks_for(s.num_computed, self.block_size)
+
+    def decode_horizon(self, seqs: list[Sequence], max_steps: int, max_model_len: int) -> int:
         """Largest k <= max_steps such that every sequence can decode k more tokens with the
-        free blocks (used to size a multi-step decode call)."""
-        k = max_steps
+        free blocks (used to size a multi-step decode call), and no more than the most any of
+        them has left to make (max_tokens, max_model_len)."""
+        remaining = max(
+            min(s.max_tokens - len(s.output_token_ids), max_model_len - s.num_tokens) for s in seqs
+        )
+        k = min(max_steps, remaining)
         while k > 1:
             need = sum(self._need(s, k) for s in seqs)
             if need <= self.num_free_blocks:

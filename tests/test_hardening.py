@@ -225,11 +225,11 @@ def test_cached_heads_filter_is_bounded(tiny_llama):
     dropped and every waiting prompt is looked up, hits still found."""
     path, _ = tiny_llama
     llm = LLM(str(path), num_kv_blocks=64, block_size=4, max_num_seqs=4)
-    llm.engine._max_cached_heads = 3
+    llm.engine.ops.max_cached_heads = 3
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     prompts = _prompts(5, seed=11, lo=10, hi=11)
     llm.generate([_ids(p) for p in prompts], sp)
-    assert llm.engine._cached_heads is None
+    assert llm.engine.ops.cached_heads is None
     out = llm.generate(_ids(prompts[0] + [9, 9]), sp)[0]
     assert out.num_cached_tokens == 8
     _assert_clean(llm)
