@@ -26,10 +26,11 @@ from models.llama import AttentionFn, Transformer, dense_attention
 def make_contiguous_cache_attention(config: ModelConfig, positions: jax.Array) -> AttentionFn:
     """Attention function writing K/V at `positions` i32[B,T] into layer `layer` of `kv`.
 
-    kv: (k, v), each [L,B,S,KVH,D].
+    kv: (k, v), each [L,B,S,KVH,D]. ``sliding_window`` (static) overrides the config's window
+    for one call, as `models.llama.make_dense_attention`'s does.
     """
 
-    def attn(layer, q, k, v, kv):
+    def attn(layer, q, k, v, kv, sliding_window=config.sliding_window):
         k_all, v_all = kv
         b, t = positions.shape
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -43,7 +44,7 @@ def make_contiguous_cache_attention(config: ModelConfig, positions: jax.Array) -
             scale=config.scale,
             q_positions=positions,
             k_positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
-            sliding_window=config.sliding_window,
+            sliding_window=sliding_window,
         )
         return out, (k_all, v_all)
 

@@ -6,6 +6,9 @@ every layer hands its q, k, v to an *attention function* chosen by the caller:
 
     attn(layer: i32[], q[B,T,H,D], k[B,T,KVH,D], v[B,T,KVH,D], kv) -> (out[B,T,H,D], kv)
 
+(a model whose layers have different windows, `models.gemma`, adds the static keyword
+``sliding_window=`` with the layer's own; the functions here accept it).
+
 `model(tokens)` runs the dense causal forward with `dense_attention` (kv=None); the engine's
 paged forward passes its `KVCache` as `kv` and a closure that writes K/V into pages and calls the
 paged kernels (see docs/DESIGN.md).
@@ -111,9 +114,13 @@ def dense_attention(
 
 
 def make_dense_attention(config: ModelConfig, positions: jax.Array) -> AttentionFn:
-    """The attention function of the dense causal forward: no cache, kv passes through."""
+    """The attention function of the dense causal forward: no cache, kv passes through.
 
-    def attn(layer: int, q, k, v, kv):
+    A model whose layers have different windows (Gemma 3) passes each layer's own as the
+    keyword ``sliding_window`` (static: an int or None); others get ``config.sliding_window``.
+    """
+
+    def attn(layer: int, q, k, v, kv, sliding_window=config.sliding_window):
         del layer
         out = dense_attention(
             q,
@@ -122,7 +129,7 @@ def make_dense_attention(config: ModelConfig, positions: jax.Array) -> Attention
             scale=config.scale,
             q_positions=positions,
             k_positions=positions,
-            sliding_window=config.sliding_window,
+            sliding_window=sliding_window,
         )
         return out, kv
 

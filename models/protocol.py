@@ -17,6 +17,10 @@ user-written one) when it has:
   k/v[B, T, KVH, D] *after* any position encoding of q and k (RoPE), and threads the returned
   ``kv`` to the next layer and out of `forward`. The attention function writes the KV cache
   and applies the scale, the causal mask and the window; the model never sees blocks.
+  Layers with different windows (`models.Gemma3`'s local and global layers): the config's
+  ``sliding_window`` is None, ``layer_windows`` lists them, and each layer passes its own as a
+  static keyword, ``attn(layer, q, k, v, kv, sliding_window=w)`` (``w`` an int, or None for
+  full attention), which the attention function must accept.
 - Its parameters are its NNX state: the engine calls `nnx.split(model)` and jits
   `nnx.merge(graphdef, params).forward(...)` (so no Python side effects in `forward`).
 
@@ -26,8 +30,8 @@ token at its own position), so apart from ``attn`` a forward must treat every to
 and take positions only from ``positions`` (never ``arange(T)``). End-of-sequence ids are not
 the model's: give them to `wrap_model` (or `LoadedModel.generation_config`) and to
 `PagedDecoder(eos_token_ids=...)`. A final-logit soft cap is the model's own business (apply it
-in `forward`); an attention soft cap (``attn_logit_softcapping``) and per-layer sliding windows
-are not supported by the engine yet and are refused.
+in `forward`); an attention soft cap (``attn_logit_softcapping``) is not supported by the
+engine yet and is refused, as is a sequence of windows in ``config.sliding_window``.
 
 `check_model(model)` checks all of this that can be checked without running the model and
 raises naming every missing or invalid part; `LLMEngine` and `PagedDecoder` call it.
@@ -119,8 +123,8 @@ def _config_problems(c: Any) -> list[str]:
         w = c.sliding_window
         if isinstance(w, Sequence):
             problems.append(
-                f"model.config.sliding_window={w!r}: per-layer sliding windows are not "
-                "supported yet (one int for every layer, or None)"
+                f"model.config.sliding_window={w!r}: one int for every layer, or None (per-layer "
+                "windows go to attn as its sliding_window keyword, see models.protocol)"
             )
         elif w is not None and (
             isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 1
