@@ -1,4 +1,5 @@
-"""Flax NNX Llama-family decoders, loaded from HF folders, GGUF files or orbax checkpoints.
+"""Flax NNX decoders (Llama family, Gemma 3), loaded from HF folders, GGUF files or orbax
+checkpoints.
 
 loaded = models.load()            # embedded SmolLM2-135M-Instruct (GGUF)
 logits = loaded.model(tokens)     # [B, T] -> [B, T, V], dense causal forward
@@ -7,6 +8,7 @@ Your own NNX module runs in the engine when it satisfies `models.PagedModel` (`c
 """
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from models.gemma import Gemma3
 from models.generate import greedy_generate, make_contiguous_cache_attention
 from models.llama import AttentionFn, Transformer, dense_attention, make_dense_attention
 from models.loading import (
@@ -28,6 +30,7 @@ from models.tokenizer import Tokenizer
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionFn",
+    "Gemma3",
     "GenerationConfig",
     "LoadedModel",
     "ModelConfig",

@@ -1,4 +1,4 @@
-"""`ModelConfig`: the frozen, hashable description of a Llama-family decoder.
+"""`ModelConfig`: the frozen, hashable description of a decoder (Llama family or Gemma 3).
 
 Built from an HF `config.json` dict (`ModelConfig.from_hf_dict`) or from a GGUF file's metadata
 (see `models.loading`). It is hashable so it can sit in static jit arguments and in the NNX graph.
@@ -17,8 +17,12 @@ SUPPORTED_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# model_types built by `models.gemma.Gemma3` instead of `models.llama.Transformer`.
+GEMMA_MODEL_TYPES = ("gemma3_text",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 _REQUIRED = (
     "vocab_size",
@@ -34,7 +38,7 @@ class ModelConfig:
     """Everything the decoder needs to know; every field is a plain hashable scalar.
 
     Attributes:
-      model_type: "llama", "mistral", "qwen2" or "qwen3" (SmolLM2 is "llama").
+      model_type: "llama", "mistral", "qwen2", "qwen3" (SmolLM2 is "llama") or "gemma3_text".
       vocab_size, hidden_size, intermediate_size: V, E and the FFN width F.
       num_layers, num_heads, num_kv_heads, head_dim: L, H, KVH, D. GQA: query head h reads KV
         head h // (H // KVH).
@@ -45,7 +49,17 @@ class ModelConfig:
       qkv_bias / o_bias / mlp_bias: which projections carry a bias (Qwen2: qkv only).
       qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
       sliding_window: if set, query i sees key j only when 0 <= i - j < sliding_window (HF's
-        rule), in every layer.
+        rule), in every layer. None when the layers differ (see ``layer_windows``).
+      layer_windows: per-layer windows (an int or None, full attention, per layer) when the
+        layers differ (Gemma 3's local and global layers); empty when every layer uses
+        ``sliding_window``. Read it through `window_of`.
+      hidden_act: "silu" (SwiGLU MLP) or "gelu_pytorch_tanh" (Gemma's GeGLU, tanh-approximate).
+      query_pre_attn_scalar: if set, the softmax scale is ``query_pre_attn_scalar**-0.5`` (Gemma)
+        instead of ``head_dim**-0.5``.
+      rope_local_theta: RoPE base of the windowed (local) layers (Gemma 3's
+        ``rope_local_base_freq``, no scaling); the global layers use ``rope_theta`` and its
+        scaling. None: every layer uses ``rope_theta``.
+      final_logit_softcapping: if set, logits become ``cap * tanh(logits / cap)``.
     """
 
     model_type: str
@@ -70,8 +84,15 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
+        # A list (from JSON: our checkpoints) would make the config unhashable.
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows or ()))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -84,11 +105,31 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 or None")
+        if self.layer_windows:
+            if len(self.layer_windows) != self.num_layers:
+                raise ValueError(
+                    f"layer_windows has {len(self.layer_windows)} entries for "
+                    f"num_layers={self.num_layers}"
+                )
+            if self.sliding_window is not None:
+                raise ValueError("set sliding_window or layer_windows, not both")
+            if any(w is not None and w < 1 for w in self.layer_windows):
+                raise ValueError(f"layer_windows={self.layer_windows}: windows must be >= 1")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}"
+            )
 
     @property
     def scale(self) -> float:
         """Softmax scale of q.k; the engine hands it to the paged kernels (they never pre-scale)."""
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
         return self.head_dim**-0.5
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (a Python int): None is full attention."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -124,6 +165,8 @@ class ModelConfig:
         for name in _REQUIRED:
             if d.get(name) is None:
                 raise ValueError(f"{source}: missing required field {name!r}")
+        if model_type in GEMMA_MODEL_TYPES:
+            return cls(**_gemma3_from_hf(d, source))
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: unsupported hidden_act {d['hidden_act']!r}; only 'silu'")
 
@@ -212,3 +255,94 @@ def _sliding_window_from_hf(d: dict[str, Any], model_type: str, source: str) -> 
                 "(use_sliding_window with mixed layer_types)"
             )
     return None if window is None else int(window)
+
+
+def _gemma3_from_hf(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """`ModelConfig` fields of a Gemma 3 text config (`Gemma3TextConfig`, transformers 4 or 5).
+
+    Layer kinds come from ``layer_types`` or, in older files, ``sliding_window_pattern`` (every
+    pattern-th layer global, as HF derives them). RoPE: transformers 5 writes one
+    ``rope_parameters`` entry per layer kind; older files ``rope_theta`` (+ ``rope_scaling``) for
+    the global layers and ``rope_local_base_freq`` for the local ones. HF's defaults apply to
+    missing fields. ``attn_logit_softcapping`` is ignored, as HF's Gemma 3 ignores it (its
+    attention never reads the field); ``final_logit_softcapping`` is applied.
+    """
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{source}: unsupported hidden_activation {act!r}; only gelu_pytorch_tanh")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention (an encoder) is not supported")
+    num_layers = int(d["num_hidden_layers"])
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"{source}: layer_types has {len(layer_types)} entries for "
+            f"num_hidden_layers={num_layers}"
+        )
+    bad = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise ValueError(f"{source}: unsupported layer type {bad[0]!r}")
+    window = int(d.get("sliding_window") or 4096)
+    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+    params = d.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+        full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+        rope = _rope_from_hf({"rope_parameters": full}, source)
+        local_theta = local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+        local_type = local.get("rope_type", local.get("type", "default"))
+    else:  # transformers 4 spelling
+        rope = _rope_from_hf(
+            {
+                "rope_scaling": d.get("rope_scaling"),
+                "rope_parameters": params,
+                "rope_theta": d.get("rope_theta", 1_000_000.0),
+            },
+            source,
+        )
+        local_theta, local_type = d.get("rope_local_base_freq", 10_000.0), "default"
+    if local_type != "default":
+        raise ValueError(
+            f"{source}: unsupported rope type {local_type!r} on the sliding-window layers; "
+            "only 'default'"
+        )
+
+    num_heads = int(d["num_attention_heads"])
+    bias = bool(d.get("attention_bias", False))
+    same = len(set(windows)) == 1
+    return dict(
+        model_type=d["model_type"],
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+        head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 131_072)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=True,
+        # One window for every layer when they agree (the engine's plain case).
+        sliding_window=windows[0] if same else None,
+        layer_windows=() if same else windows,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        rope_local_theta=float(local_theta),
+        final_logit_softcapping=_opt_float(d.get("final_logit_softcapping")),
+        **rope,
+    )
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)

@@ -26,7 +26,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig
+from models.config import GEMMA_MODEL_TYPES, ModelConfig
+from models.gemma import Gemma3
 from models.llama import Transformer
 from models.tokenizer import Tokenizer
 
@@ -67,7 +68,7 @@ class GenerationConfig:
 class LoadedModel:
     """What `load` returns. `tokenizer` is None for an HF folder without tokenizer files."""
 
-    model: Transformer
+    model: Transformer | Gemma3
     tokenizer: Tokenizer | None
     config: ModelConfig
     generation_config: GenerationConfig
@@ -132,6 +133,11 @@ def resolve_dtype(dtype: Any) -> np.dtype:
 # Filling a model from named tensors
 
 
+def model_class(config: ModelConfig) -> type[Transformer] | type[Gemma3]:
+    """The decoder class of ``config.model_type``: `Gemma3` for Gemma 3, else `Transformer`."""
+    return Gemma3 if config.model_type in GEMMA_MODEL_TYPES else Transformer
+
+
 def _hf_names(path: tuple, num_layers: int) -> tuple[list[str], bool, bool]:
     """NNX state path -> (HF tensor names, transpose?, stacked?).
 
@@ -152,9 +158,11 @@ def build_model(
     dtype: np.dtype,
     get_tensor: Callable[[str], np.ndarray | None],
     source: str,
-) -> Transformer:
-    """A `Transformer` whose every parameter comes from `get_tensor(hf_name)` (None = missing)."""
-    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+) -> Transformer | Gemma3:
+    """The model of `model_class(config)` with every parameter from `get_tensor(hf_name)`
+    (None = missing). Both classes name their parameters after HF's tensors."""
+    cls = model_class(config)
+    abstract = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = []
     for path, var in nnx.to_flat_state(state):
@@ -461,7 +469,8 @@ def load_checkpoint(directory: Path, dtype: np.dtype) -> LoadedModel:
         raise ValueError(f"{directory / CHECKPOINT_MARKER}: missing field {e}") from None
     if not (directory / "weights").exists():
         raise FileNotFoundError(f"{directory / 'weights'}: checkpoint weights are missing")
-    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=saved_dtype, rngs=nnx.Rngs(0)))
+    cls = model_class(config)
+    abstract = nnx.eval_shape(lambda: cls(config, dtype=saved_dtype, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(
@@ -476,9 +485,7 @@ def load_checkpoint(directory: Path, dtype: np.dtype) -> LoadedModel:
         ) from None
     if dtype != saved_dtype:
         state = jax.tree.map(lambda x: x.astype(dtype), state)
-        graphdef, _ = nnx.split(
-            nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
-        )
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0))))
     model = nnx.merge(graphdef, state)
     tok_dir = directory / "tokenizer"
     tokenizer = Tokenizer.from_folder(tok_dir) if tok_dir.exists() else None

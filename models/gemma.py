@@ -1,0 +1,243 @@
+"""Gemma 3 (text) as HF's `Gemma3ForCausalLM` configures it, in Flax NNX.
+
+What differs from `models.llama` (which lends RoPE, the attention functions, `_linear` and
+`stack_layers`):
+
+- RMSNorm scales by ``(1 + w)`` and casts after the scale (`GemmaRMSNorm`); the weights are
+  stored as ``w`` (HF's zeros-centred form).
+- Four norms per layer: ``input_layernorm`` -> attention -> ``post_attention_layernorm`` ->
+  residual, ``pre_feedforward_layernorm`` -> MLP -> ``post_feedforward_layernorm`` -> residual.
+- q/k RMSNorm per head before RoPE; softmax scale ``query_pre_attn_scalar**-0.5``.
+- GeGLU MLP (tanh-approximate GELU); embeddings scaled by ``sqrt(hidden_size)``, rounded to the
+  model dtype first as HF does; tied embeddings by default; optional final-logit soft cap
+  (``attn_logit_softcapping`` is ignored, as HF's Gemma 3 attention ignores it).
+- Local (sliding-window) and global layers interleaved, each kind with its own RoPE: local
+  layers ``rope_local_theta`` unscaled, global ones ``rope_theta`` with its scaling.
+
+Mixed layers under one scan. The engine's paged kernels take the window as a static argument,
+so a layer's window must be a Python value at trace time, while the layer index stays traced.
+`layer_pattern` finds the shortest repeating pattern of per-layer windows (Gemma 3: five local
+and one global); `forward` scans over *groups* of that pattern, the scan body running the
+pattern's layers one after the other with their windows (and RoPE tables) static, and runs the
+``L mod P`` remainder layers (the pattern's first ones) after the scan::
+
+    layers  0 1 2 3 4 5 | 6 7 8 9 10 11 | ... | 24 25       (Gemma 3 1B: L = 26, P = 6)
+    window  w w w w w - | w w w w w  -  | ... |  w  w
+            scan over 4 groups, one body of 6 layers          remainder, unrolled (< P)
+
+Parameters stay stacked over all ``L`` layers (`layers.*[i]` is HF's `model.layers.{i}.*`, the
+same names as `models.llama`); each layer's slice is taken by a dynamic index inside the body,
+which is what `lax.scan` over stacked inputs does anyway, so nothing is copied. Every layer calls
+``attn(layer, q, k, v, kv, sliding_window=w)`` with ``w`` its static window (None: global): an
+attention function for this model must accept that keyword (`make_dense_attention` and
+`make_contiguous_cache_attention` do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.llama import (
+    AttentionFn,
+    _linear,
+    apply_rope,
+    make_dense_attention,
+    rope_cos_sin,
+    stack_layers,
+)
+
+
+def layer_pattern(windows: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """The shortest prefix ``p`` of ``windows`` with ``windows[i] == p[i % len(p)]`` for all i.
+
+    (w, w, None, w, w, None, w) -> (w, w, None): two groups of 3 and a remainder of one.
+    """
+    n = len(windows)
+    for size in range(1, n + 1):
+        if all(windows[i] == windows[i % size] for i in range(n)):
+            return windows[:size]
+    raise ValueError("no layers")  # n == 0
+
+
+@functools.lru_cache(maxsize=64)
+def local_rope_config(config: ModelConfig) -> ModelConfig:
+    """The config whose RoPE is that of the local (windowed) layers: base rope_local_theta,
+    unscaled. Global layers use ``config`` itself."""
+    if config.rope_local_theta is None:
+        return config
+    return dataclasses.replace(
+        config, rope_theta=config.rope_local_theta, rope_type="default", rope_factor=1.0
+    )
+
+
+class GemmaRMSNorm(nnx.Module):
+    """RMSNorm with a ``(1 + weight)`` scale: x[..., dim] -> same shape and dtype.
+
+    Normalises and scales in f32, then casts (HF's Gemma order; Llama casts before the scale).
+    weight: [dim], zeros at init (a unit scale).
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GemmaAttention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, dtype, rngs)
+        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, rngs)
+        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, rngs)
+        self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.o_bias, dtype, rngs)
+        self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+        self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer, *, sliding_window):
+        """x[B,T,E], cos/sin f32[B,T,D], layer i32[], sliding_window static -> (y[B,T,E], kv)."""
+        c = self.config
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim))  # [B,T,H,D]
+        k = self.k_norm(self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim))  # [B,T,KVH,D]
+        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)  # [B,T,KVH,D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, kv = attn(layer, q, k, v, kv, sliding_window=sliding_window)  # [B,T,H,D]
+        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim)), kv
+
+
+class GemmaMLP(nnx.Module):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x)), x[B,T,E] -> [B,T,E] through width F."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.gate_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, rngs)
+        self.up_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, rngs)
+        self.down_proj = _linear(c.intermediate_size, c.hidden_size, c.mlp_bias, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+
+
+class GemmaDecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        e, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(e, eps, dtype=dtype)
+        self.self_attn = GemmaAttention(config, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = GemmaRMSNorm(e, eps, dtype=dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(e, eps, dtype=dtype)
+        self.mlp = GemmaMLP(config, dtype=dtype, rngs=rngs)
+        self.post_feedforward_layernorm = GemmaRMSNorm(e, eps, dtype=dtype)
+
+    def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer, *, sliding_window):
+        """x[B,T,E] -> (x[B,T,E], kv); pre- and post-norms around attention and MLP."""
+        h, kv = self.self_attn(
+            self.input_layernorm(x), cos, sin, attn, kv, layer, sliding_window=sliding_window
+        )
+        x = x + self.post_attention_layernorm(h)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x, kv
+
+
+class Gemma3(nnx.Module):
+    """The Gemma 3 text decoder; satisfies `models.PagedModel` like `models.Transformer`.
+
+    `model.config` is its `ModelConfig` (``layer_windows`` lists the local layers' window and
+    None for global ones), `model.dtype` the parameters' dtype. Build real weights with
+    `models.load`; `Gemma3(config, rngs=nnx.Rngs(0))` gives a random one.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.layers = stack_layers(
+            [GemmaDecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)]
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, rngs)
+
+    @property
+    def scale(self) -> float:
+        return self.config.scale
+
+    def forward(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        attn: AttentionFn,
+        kv: Any,
+        *,
+        logits_indices: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """tokens i32[B,T], positions i32[B,T] -> (logits f32[B,T,V], kv from `attn`).
+
+        With ``logits_indices`` (i32[R]) only those token indices reach the LM head: logits
+        f32[B,R,V]. Layers run in groups of `layer_pattern` (module docstring).
+        """
+        c = self.config
+        # HF multiplies by sqrt(E) rounded to the model dtype (55.4256 -> 55.5 in bf16).
+        x = self.embed_tokens(tokens) * jnp.asarray(c.hidden_size**0.5, self.dtype)  # [B,T,E]
+        rope = {
+            "global": rope_cos_sin(c, positions),  # ([B,T,D], [B,T,D]) f32
+            "local": rope_cos_sin(local_rope_config(c), positions),
+        }
+        windows = tuple(c.window_of(i) for i in range(c.num_layers))
+        pattern = layer_pattern(windows)
+        size = len(pattern)
+        groups, rest = divmod(c.num_layers, size)
+        layer_def, layer_params = nnx.split(self.layers)  # params: [L, ...] leaves
+
+        def run_layer(carry, i, window):
+            x, kv = carry
+            params = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layer_params
+            )
+            cos, sin = rope["global" if window is None else "local"]
+            return nnx.merge(layer_def, params)(x, cos, sin, attn, kv, i, sliding_window=window)
+
+        def group(carry, g):
+            for j, window in enumerate(pattern):
+                carry = run_layer(carry, g * size + j, window)
+            return carry, None
+
+        carry, _ = jax.lax.scan(group, (x, kv), jnp.arange(groups, dtype=jnp.int32))
+        for j in range(rest):
+            carry = run_layer(carry, jnp.int32(groups * size + j), pattern[j])
+        x, kv = carry
+        if logits_indices is not None:
+            x = x[:, logits_indices]  # [B,R,E]
+        x = self.norm(x)
+        if c.tie_word_embeddings:
+            emb = self.embed_tokens.embedding[...]
+            logits = jnp.einsum("bte,ve->btv", x, emb, preferred_element_type=jnp.float32)
+        else:
+            logits = self.lm_head(x)
+        logits = logits.astype(jnp.float32)
+        if c.final_logit_softcapping is not None:
+            cap = c.final_logit_softcapping
+            logits = cap * jnp.tanh(logits / cap)
+        return logits, kv
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Dense causal forward: tokens i32[B,T] at positions 0..T-1 -> logits f32[B,T,V]."""
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        logits, _ = self.forward(
+            tokens, positions, make_dense_attention(self.config, positions), None
+        )
+        return logits
