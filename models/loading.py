@@ -37,7 +37,7 @@ CHECKPOINT_MARKER = "jax_paged_checkpoint.json"
 # 2: stacked layers (one [L, ...] array per parameter name); 1 had one entry per layer.
 CHECKPOINT_VERSION = 2
 SUPPORTED_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 @dataclasses.dataclass
@@ -278,6 +278,13 @@ _GGUF_BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms per block (llama.cpp's ffn_norm is the pre-feed-forward norm there).
+_GGUF_GEMMA3_BLOCK_NAMES = {
+    **_GGUF_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -285,11 +292,11 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     stem, _, kind = name.rpartition(".")  # kind: weight | bias
     if stem.startswith("blk."):
         _, idx, part = stem.split(".", 2)
-        hf = _GGUF_BLOCK_NAMES.get(part)
+        hf = (_GGUF_GEMMA3_BLOCK_NAMES if arch == "gemma3" else _GGUF_BLOCK_NAMES).get(part)
         return None if hf is None else f"model.layers.{idx}.{hf}.{kind}"
     hf = _GGUF_GLOBAL_NAMES.get(stem)
     return None if hf is None else f"{hf}.{kind}"
@@ -338,6 +345,8 @@ def _gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> M
     if not vocab:
         raise ValueError(f"{source}: missing required GGUF field '{arch}.vocab_size'")
     window = meta.get(f"{arch}.attention.sliding_window")
+    if arch == "gemma3":
+        return _gguf_gemma3_config(meta, req, tensor_names, scaling)
     return ModelConfig(
         model_type=arch,
         vocab_size=int(vocab),
@@ -358,6 +367,46 @@ def _gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> M
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=None if window is None else int(window),
+    )
+
+
+def _gguf_gemma3_config(meta, req, tensor_names: set[str], scaling: str) -> ModelConfig:
+    """A Gemma 3 GGUF's config, with llama.cpp's rules for what the file leaves out: every
+    ``sliding_window_pattern``-th layer global (6 when absent), local RoPE base 10000 (or
+    ``rope.freq_base_swa``), softmax scale ``key_length**-0.5`` (27B, 62 layers: hidden /
+    heads)."""
+    n_head, hidden = int(req("attention.head_count")), int(req("embedding_length"))
+    num_layers = int(req("block_count"))
+    head_dim = int(meta.get("gemma3.attention.key_length") or 256)
+    pattern = int(meta.get("gemma3.attention.sliding_window_pattern") or 6)
+    window = int(meta.get("gemma3.attention.sliding_window") or 4096)
+    windows = tuple(window if (i + 1) % pattern else None for i in range(num_layers))
+    same = len(set(windows)) == 1
+    cap = meta.get("gemma3.final_logit_softcapping")
+    return ModelConfig(
+        model_type="gemma3_text",
+        vocab_size=int(meta.get("gemma3.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+        hidden_size=hidden,
+        intermediate_size=int(req("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=n_head,
+        num_kv_heads=int(meta.get("gemma3.attention.head_count_kv") or n_head),
+        head_dim=head_dim,
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get("gemma3.rope.freq_base", 1_000_000.0)),
+        rope_type="linear" if scaling == "linear" else "default",
+        rope_factor=float(meta.get("gemma3.rope.scaling.factor", 1.0)),
+        max_position_embeddings=int(meta.get("gemma3.context_length", 131_072)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm=True,
+        sliding_window=windows[0] if same else None,
+        layer_windows=() if same else windows,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(hidden // n_head if num_layers == 62 else head_dim),
+        rope_local_theta=float(meta.get("gemma3.rope.freq_base_swa", 10_000.0)),
+        final_logit_softcapping=None if cap is None else float(cap),
     )
 
 
@@ -389,9 +438,10 @@ def load_gguf(path: Path, dtype: np.dtype) -> LoadedModel:
                 f"{path}: tensor {t.name!r} has unsupported GGUF quantisation type "
                 f"{t.tensor_type.name}; supported: {', '.join(sorted(q.name for q in supported))}"
             )
+    arch = meta.get("general.architecture")
     by_hf = {}
     for name in tensors:
-        hf = _gguf_to_hf_name(name)
+        hf = _gguf_to_hf_name(name, arch)
         if hf is not None:
             by_hf[hf] = name
     permute_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
@@ -407,6 +457,8 @@ def load_gguf(path: Path, dtype: np.dtype) -> LoadedModel:
         proj = hf_name.split(".")[-2]
         if config.model_type == "llama" and proj in permute_heads:
             w = _unpermute_qk(w, permute_heads[proj])
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scales with the 1 added
         return w
 
     model = build_model(config, dtype, get_tensor, str(path))

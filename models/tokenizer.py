@@ -1,7 +1,8 @@
 """Tokenizer: the `tokenizers` library for ids, jinja2 for chat templates.
 
 Built from an HF folder (`tokenizer.json` + `tokenizer_config.json`) or from a GGUF file's own
-vocabulary, merges and special tokens (`from_gguf_metadata`).
+vocabulary, merges and special tokens (`from_gguf_metadata`): byte-level BPE, or Gemma's
+SentencePiece-style BPE with byte fallback (rebuilt the way transformers' GGUF converter does).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
 # llama.cpp `tokenizer.ggml.pre` -> how text is split before byte-level BPE. These are the split
 # rules each vocabulary was trained with (GPT-2's default when no rule is listed).
@@ -45,6 +46,45 @@ def _gguf_pre_tokenizer(pre: str | None):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+
+
+def _gemma_backend(tokens: list[str], unk_id: int | None) -> tuple[tokenizers.Tokenizer, dict]:
+    """Gemma's BPE (byte fallback, spaces as "\u2581", no prefix space) from a GGUF vocabulary.
+
+    As transformers' GGUF converter (`gemma_tokenizer`) builds it: tokens of two or more spaces
+    are stored as real spaces and renamed to "\u2581" runs; the file has no merges, so every
+    split of a token into two vocabulary tokens becomes a merge, ranked by the token's position
+    in the file (Gemma's scores do not follow its merge order), ties by the pieces' lengths.
+    Returns (backend, vocab token -> id).
+    """
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []  # (rank of the merged token, len left, len right, left, right)
+    for tok, rank in vocab.items():  # a repeated token ranks at its last position, as in HF
+        local = [
+            (tok[:i], tok[i:]) for i in range(1, len(tok)) if tok[:i] in vocab and tok[i:] in vocab
+        ]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges += [(rank, -len(a), -len(b), a, b) for a, b in local]
+    # transformers sorts (-rank, len l, len r) descending, a stable sort: earlier tokens first,
+    # longer left pieces first, then longer right pieces, then the order above.
+    merges.sort(key=lambda m: m[:3])
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else "<unk>"
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for *_, a, b in merges],
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend, vocab
 
 
 def _raise_exception(message: str):
@@ -146,24 +186,34 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
-        """From a GGUF's `tokenizer.*` metadata (byte-level BPE: `tokenizer.ggml.model = gpt2`)."""
+        """From a GGUF's `tokenizer.*` metadata: byte-level BPE (`tokenizer.ggml.model` gpt2),
+        or a Gemma SentencePiece vocabulary (`llama` in a `gemma3` file, see `_gemma_backend`)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)"
-            )
+        arch = meta.get("general.architecture")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+            vocab = {t: i for i, t in enumerate(tokens)}
+            backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+            backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+            backend.decoder = decoders.ByteLevel()
+        elif kind == "llama" and arch == "gemma3":
+            backend, vocab = _gemma_backend(tokens, meta.get("tokenizer.ggml.unknown_token_id"))
+        else:
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {kind!r} (architecture {arch!r}); supported: "
+                "'gpt2' (byte-level BPE), 'llama' in a gemma3 file (SentencePiece BPE)"
+            )
         # llama.cpp token types: 3 = control (special), 4 = user-defined (matched whole, not
         # special). Both must be added so the text "<|im_start|>" stays one token.
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         pairs = list(zip(tokens, types, strict=True))
         special = [AddedToken(t, special=True, normalized=False) for t, k in pairs if k == 3]
-        user = [AddedToken(t, special=False, normalized=False) for t, k in pairs if k == 4]
+        user = [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in pairs
+            if k == 4 and t in vocab
+        ]
         backend.add_special_tokens(special)
         backend.add_tokens(user)
 

