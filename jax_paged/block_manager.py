@@ -88,6 +88,8 @@ class BlockManagerState:
       num_evictable: i32[] cached blocks with refcount 0 (reusable after eviction).
       cached: bool[N] block is in the prefix cache (full, keyed, findable by `match_prefix`).
       block_hash: u32[N] chained key of a cached block (`prefix_cache.block_hashes`).
+      block_chain: u32[N] its chain value before the final mix (`prefix_cache.chain_values`),
+        from which the keys of the blocks after it continue as they fill.
       block_parent: i32[N] physical block before a cached block in its sequence (0 for roots).
       block_tokens: i32[N, bs] token ids of a cached block (verified on every match).
       evict_queue: i32[C] ring (C = 2N) of evictable blocks, least recently freed first, from
@@ -111,6 +113,7 @@ class BlockManagerState:
     num_evictable: jax.Array
     cached: jax.Array
     block_hash: jax.Array
+    block_chain: jax.Array
     block_parent: jax.Array
     block_tokens: jax.Array
     evict_queue: jax.Array
@@ -182,6 +185,7 @@ def init_state(
         num_evictable=jnp.int32(0),
         cached=jnp.zeros(n, bool),
         block_hash=jnp.zeros(n, jnp.uint32),
+        block_chain=jnp.zeros(n, jnp.uint32),
         block_parent=jnp.zeros(n, jnp.int32),
         block_tokens=jnp.zeros((n, block_size), jnp.int32),
         evict_queue=jnp.zeros(2 * n, jnp.int32),

@@ -2,15 +2,15 @@
 in one ``prepare`` call (`ModelRunner.prepare`).
 
 Between two steps the engine learns that slots must be freed (finished, aborted or preempted
-sequences), that blocks became full (to be offered to the prefix cache), and that n > 1
-siblings can be forked from their leader. None of that needs a device call of its own: the
-queue holds it until the next ``prepare``, which also looks the prompts of the waiting
-sequences that could be admitted next up in the prefix cache, so the scheduler knows how many
-of their tokens are cached. Order on the device: cache -> free -> fork -> lookup.
+sequences) and that n > 1 siblings can be forked from their leader. Neither needs a device call
+of its own: the queue holds them until the next ``prepare``, which also looks the prompts of
+the waiting sequences that could be admitted next up in the prefix cache, so the scheduler
+knows how many of their tokens are cached. Order on the device: free -> fork -> lookup.
+(Full blocks need no host work: each step adds the blocks it fills to the prefix cache.)
 
 The device's block manager stays the one authority: after ``prepare`` the scheduler's free
 count is the device's, and nothing here re-implements what the device does. The one host-side
-shortcut is a filter, ``cached_heads``: the first blocks ever offered to the cache. A prompt
+shortcut is a filter, ``cached_heads``: the first blocks ever filled with caching on. A prompt
 whose first block is not in it cannot hit, so it is not looked up (a superset; evictions are
 not tracked, which only costs a lookup that finds nothing). Past ``max_cached_heads`` entries
 the filter is dropped (None) and every admissible waiting prompt is looked up.
@@ -28,7 +28,6 @@ class BlockOpQueue:
 
     Attributes:
       free: slots to free.
-      cache: slot -> tokens whose full blocks to add to the prefix cache (the slot is live).
       forks: (parent slot, child slot) pairs: the child shares all the parent's blocks.
       fork_waiting: request id -> request whose n > 1 leader has not yet prefilled all but the
         last prompt token (its siblings are forked from it then).
@@ -43,14 +42,9 @@ class BlockOpQueue:
     def reset(self) -> None:
         """Forgets everything queued (the device state was rebuilt empty)."""
         self.free: list[int] = []
-        self.cache: dict[int, list[int]] = {}
         self.forks: list[tuple[int, int]] = []
         self.fork_waiting: dict = {}
         self.cached_heads: set[tuple[int, ...]] | None = set()
-
-    def __bool__(self) -> bool:
-        """Whether anything but caching requests is queued."""
-        return bool(self.free or self.forks)
 
     def add_request(self, req, scheduler: Scheduler) -> None:
         """Queues a new request's sequences. With n > 1 the first one prefills the prompt but
@@ -66,17 +60,18 @@ class BlockOpQueue:
             scheduler.add(s)
 
     def release(self, seq: Sequence) -> None:
-        """Queues the slot of a sequence that stops running (its computed full blocks are
-        cached first)."""
+        """Queues the slot of a sequence that stops running."""
         if seq.slot is not None:
             self.free.append(seq.slot)
-            if self.caching and seq.num_computed >= self.block_size:
-                self.cache[seq.slot] = seq.all_token_ids[: seq.num_computed]
 
     def filled(self, seq: Sequence, start: int) -> None:
-        """Queues ``seq``'s new full blocks for caching after a chunk that began at ``start``."""
-        if self.caching and seq.num_computed // self.block_size > start // self.block_size:
-            self.cache[seq.slot] = seq.all_token_ids[: seq.num_computed]
+        """Notes that ``seq`` computed from ``start`` to ``num_computed``: the device cached
+        its first block if that step filled it."""
+        bs, heads = self.block_size, self.cached_heads
+        if self.caching and heads is not None and start < bs <= seq.num_computed:
+            heads.add(tuple(seq.all_token_ids[:bs]))
+            if len(heads) > self.max_cached_heads:
+                self.cached_heads = None
 
     def fork_ready(self, scheduler: Scheduler) -> None:
         """Forks the siblings of n > 1 leaders that have prefilled all but the last prompt
@@ -99,7 +94,6 @@ class BlockOpQueue:
 
     def _lookup_candidates(self, scheduler: Scheduler, room: int) -> list[Sequence]:
         bs, heads = self.block_size, self.cached_heads
-        pending = {tuple(t[:bs]) for t in self.cache.values()}
         cand = []
         for q in itertools.islice(scheduler.waiting, room):
             # A prompt whose first block was never cached cannot hit; cached positions have no
@@ -109,35 +103,25 @@ class BlockOpQueue:
                 q.num_computed == 0
                 and q.params.prompt_logprobs is None
                 and q.num_tokens > bs
-                and (heads is None or head in heads or head in pending)
+                and (heads is None or head in heads)
             ):
                 cand.append(q)
         return cand
 
-    def prepare(
-        self, runner, scheduler: Scheduler, lookup: bool = False, flush: bool = True
-    ) -> list[Sequence]:
+    def prepare(self, runner, scheduler: Scheduler, lookup: bool = False) -> list[Sequence]:
         """Makes the ``prepare`` call for the queued work, if any; with ``lookup`` the prompts
         of the waiting sequences that may be admitted next are looked up in the prefix cache
-        (their ``prefix_hit`` / ``prefix_revive`` are set). Afterwards the scheduler's
-        free-block count is the device's. Returns the sequences given hints.
-
-        Without ``flush``, blocks queued for caching alone do not make a call: they wait for
-        the next one (a free, a fork, or a waiting prompt that could use them), so a workload
-        without prefix hits pays no extra call for caching."""
+        (their ``prefix_hit`` / ``prefix_revive`` are set), which alone is reason for a call
+        only when one of them could hit. Afterwards the scheduler's free-block count is the
+        device's. Returns the sequences given hints."""
         cand = []
         if lookup:
             room = min(len(scheduler.free_slots), scheduler.max_num_seqs)
             cand = self._lookup_candidates(scheduler, room)
-        if not (self.free or self.forks or cand or (flush and self.cache)):
+        if not (self.free or self.forks or cand):
             return []
-        if self.cached_heads is not None:
-            self.cached_heads.update(tuple(t[: self.block_size]) for t in self.cache.values())
-            if len(self.cached_heads) > self.max_cached_heads:
-                self.cached_heads = None
-        cache, free, forks = self.cache, self.free, self.forks
-        self.cache, self.free, self.forks = {}, [], []
-        num_free, found = runner.prepare(cache, free, forks, [q.all_token_ids for q in cand])
+        free, forks, self.free, self.forks = self.free, self.forks, [], []
+        num_free, found = runner.prepare(free, forks, [q.all_token_ids for q in cand])
         scheduler.num_free_blocks = num_free
         for q, (hit, revive) in zip(cand, found, strict=True):
             q.prefix_hit, q.prefix_revive = hit, revive

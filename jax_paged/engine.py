@@ -2,13 +2,14 @@
 
 One `step()`, with its device calls (`ModelRunner`; each a compiled program, state donated)::
 
-    prepare     if anything is queued: cache full blocks, free finished slots, fork n > 1
-                siblings, look the waiting prompts up in the prefix cache     (one call)
+    prepare     if anything is queued: free finished slots, fork n > 1 siblings, look
+                the waiting prompts up in the prefix cache                    (one call)
     Scheduler.schedule()   which chunks of which sequences run (host arithmetic)
     admit       if sequences were admitted: start them from the prefix cache, set their
                 sampling rows                                                  (one call)
     run         all decoding, nothing waiting -> decode loop (many tokens, one call)
                 otherwise                     -> mixed step  (prefill chunks + decodes)
+                (either adds the blocks it fills to the prefix cache)
     OutputProcessor: append tokens, detokenise, stop strings, finish           (host)
 
 In a steady decode phase that is one device call per step (`get_metrics()`:
@@ -173,7 +174,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         self.ops.fork_ready(self.scheduler)
-        hinted = self.ops.prepare(self.runner, self.scheduler, lookup=self.caching, flush=False)
+        hinted = self.ops.prepare(self.runner, self.scheduler, lookup=self.caching)
         sched = self.scheduler.schedule()
         for q in hinted:  # the lookup holds for this step only
             q.prefix_hit = q.prefix_revive = 0
@@ -267,6 +268,7 @@ class LLMEngine:
         self.scheduler.update_from_decode(seqs, made, int(out.num_free))
         self.metrics.after_step([q.num_computed for q in seqs], self.scheduler)
         for r, s in enumerate(seqs):
+            self.ops.filled(s, s.num_computed - int(made[r]))
             self._append(s, out, r, int(made[r]), step_axis=True)
             progressed[s.request_id] = s.request
 

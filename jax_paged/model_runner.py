@@ -119,7 +119,11 @@ class ModelRunner:
             hash_table_size=16 * _pow2_at_least(self.num_blocks),
         )
         samp = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=track_tokens)
-        return runner.DeviceState(kv=kv, blocks=blocks, sampling=samp)
+        tokens = None
+        if self.config.enable_prefix_caching:
+            width = self.max_blocks_per_seq * bs
+            tokens = jnp.zeros((self.max_num_seqs, width), jnp.int32)
+        return runner.DeviceState(kv=kv, blocks=blocks, sampling=samp, tokens=tokens)
 
     def reset(self) -> None:
         """Drops the device state (first, so its memory is free) and starts an empty one."""
@@ -198,25 +202,16 @@ class ModelRunner:
         )
 
     # -- the programs ----------------------------------------------------------------------
-    def prepare(self, cache: dict[int, list[int]], free: list[int], forks, lookup):
-        """Caches the full blocks of ``cache`` (slot -> tokens), frees the ``free`` slots,
-        applies the ``forks`` (parent slot, child slot) and looks up the ``lookup`` token
-        lists in the prefix cache. Returns (free blocks, [(cached tokens, evictable blocks
-        among them)] per lookup)."""
+    def prepare(self, free: list[int], forks, lookup):
+        """Frees the ``free`` slots, applies the ``forks`` (parent slot, child slot) and looks
+        up the ``lookup`` token lists in the prefix cache. Returns (free blocks, [(cached
+        tokens, evictable blocks among them)] per lookup)."""
         parent = np.full(self.max_num_seqs, -1, np.int32)
         child = np.full(self.max_num_seqs, -1, np.int32)
         for i, (p, c) in enumerate(forks):
             parent[i], child[i] = p, c
         _, q_tokens, q_len = self.token_rows((-1, t) for t in lookup)
-        args = (
-            self.state,
-            *self.token_rows(cache.items()),
-            self._free_mask(free),
-            parent,
-            child,
-            q_tokens,
-            q_len,
-        )
+        args = (self.state, self._free_mask(free), parent, child, q_tokens, q_len)
         self.state, num_free, hit, revive = self.call("prepare", runner.prepare, (), args, {})
         found = [(int(hit[i]), int(revive[i])) for i in range(len(lookup))]
         return int(num_free), found

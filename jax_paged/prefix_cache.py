@@ -36,29 +36,36 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def block_hashes(tokens: jax.Array, block_size: int) -> jax.Array:
-    """Chained keys of the full blocks of token rows.
-
-    tokens: i32[..., K * block_size] -> u32[..., K]. With d_j a mix of block j's tokens and their
-    offsets, the chain is H_j = H_{j-1} * C + d_j (mod 2**32, H_{-1} = 0), key_j = mix(H_j). The
-    chain is linear, so all keys come from one cumsum: H_j = C**j * sum_{k<=j} d_k * C**-k.
-    """
+def block_digests(tokens: jax.Array, block_size: int) -> jax.Array:
+    """d_j, a mix of each full block's tokens and their offsets: i32[..., K * bs] -> u32[..., K]."""
     *lead, length = tokens.shape
     k = length // block_size
     t = tokens[..., : k * block_size].reshape(*lead, k, block_size).astype(jnp.uint32)
     offs = jnp.arange(block_size, dtype=jnp.uint32) * jnp.uint32(_TOKEN_STEP)
-    d = _mix32(t + offs).sum(-1, dtype=jnp.uint32)
-    d = _mix32(d)
-    c_pow = np.ones(k, np.uint64)
-    c_inv_pow = np.ones(k, np.uint64)
+    return _mix32(_mix32(t + offs).sum(-1, dtype=jnp.uint32))
+
+
+def chain_values(d: jax.Array, base: jax.Array | int = 0) -> jax.Array:
+    """H_j = H_{j-1} * C + d_j (mod 2**32) along the last axis of ``d`` (u32[..., K]), from
+    H_{-1} = ``base`` (u32[...]). The chain is linear, so all of it is one cumsum:
+    H_j = C**(j+1) * base + C**j * sum_{k<=j} d_k * C**-k."""
+    k = d.shape[-1]
     c_inv = pow(_CHAIN, -1, 1 << 32)
-    for j in range(1, k):
-        c_pow[j] = (int(c_pow[j - 1]) * _CHAIN) & 0xFFFFFFFF
-        c_inv_pow[j] = (int(c_inv_pow[j - 1]) * c_inv) & 0xFFFFFFFF
+    c_pow = np.array([pow(_CHAIN, j, 1 << 32) for j in range(k + 1)], np.uint64)
+    c_inv_pow = np.array([pow(c_inv, j, 1 << 32) for j in range(k)], np.uint64)
     c_pow = jnp.asarray(c_pow.astype(np.uint32))
     c_inv_pow = jnp.asarray(c_inv_pow.astype(np.uint32))
-    h = jnp.cumsum(d * c_inv_pow, axis=-1, dtype=jnp.uint32) * c_pow
-    return _mix32(h)
+    h = jnp.cumsum(d * c_inv_pow, axis=-1, dtype=jnp.uint32) * c_pow[:k]
+    return h + jnp.asarray(base, jnp.uint32)[..., None] * c_pow[1:]
+
+
+def block_hashes(tokens: jax.Array, block_size: int) -> jax.Array:
+    """Chained keys of the full blocks of token rows: i32[..., K * bs] -> u32[..., K].
+
+    With d_j = `block_digests` and the chain H_j = H_{j-1} * C + d_j (`chain_values`, H_{-1} =
+    0), key_j = mix(H_j).
+    """
+    return _mix32(chain_values(block_digests(tokens, block_size)))
 
 
 def _lookup(state: BlockManagerState, tokens, num_tokens) -> tuple[jax.Array, jax.Array]:
@@ -155,9 +162,7 @@ def cache_full_blocks(
     bucket holds another block; on a tie for an empty bucket the highest block id wins).
     """
     s, p = state.block_tables.shape
-    n = state.num_blocks
     bs = state.block_size
-    hsize = state.hash_table.shape[0]
     slots = jnp.asarray(slots, jnp.int32)
     tokens = jnp.asarray(tokens, jnp.int32)
     num_tokens = jnp.asarray(num_tokens, jnp.int32)
@@ -171,7 +176,54 @@ def cache_full_blocks(
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
     ent = ok[:, None] & (j < nfull[:, None])
     blocks = state.block_tables[sc, :k]
-    keys = block_hashes(tokens[:, : k * bs], bs)
+    parents = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), blocks[:, :-1]], axis=1)
+    toks = tokens[:, : k * bs].reshape(mm, k, bs)
+    chains = chain_values(block_digests(tokens[:, : k * bs], bs))
+    return _insert(state, blocks, parents, toks, chains, ent)
+
+
+def cache_new_blocks(
+    state: BlockManagerState, seq_tokens: jax.Array, old_lens: jax.Array, max_new: int
+) -> BlockManagerState:
+    """Adds the blocks that became full since ``old_lens`` to the prefix cache, as they fill.
+
+    seq_tokens: i32[S, P * bs] each slot's tokens by position (at least those of its blocks
+    from ``old_lens // bs`` on); old_lens: i32[S] each slot's ``seq_lens`` before the tokens
+    whose K/V was just written; max_new (static): the most blocks one slot can have filled
+    since (1 per decode step; ``ceil(chunk / bs) + 1`` for a chunk). Blocks ``old_lens // bs``
+    up to ``seq_lens // bs`` of every live slot are keyed from their tokens and the chain value
+    of the block before them, which must be cached (else the chain has stopped there and
+    nothing is added), and inserted as `cache_full_blocks` would. O(S * max_new * bs),
+    independent of P.
+    """
+    s, p = state.block_tables.shape
+    bs = state.block_size
+    k = min(max_new, p)
+    first = old_lens // bs  # [S] the first block that may be new
+    nfull = jnp.where(state.live, state.seq_lens // bs, 0)
+    j = first[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [S, k] logical blocks
+    rows = jnp.arange(s)[:, None]
+    blocks = state.block_tables[rows, jnp.clip(j, 0, p - 1)]
+    prev = state.block_tables[jnp.arange(s), jnp.clip(first - 1, 0, p - 1)]
+    prev = jnp.where(first > 0, prev, NULL_BLOCK)
+    base_ok = (first == 0) | state.cached[prev]
+    ent = (j < nfull[:, None]) & base_ok[:, None]
+    parents = jnp.concatenate([prev[:, None], blocks[:, :-1]], axis=1)
+    pos = j[:, :, None] * bs + jnp.arange(bs, dtype=jnp.int32)  # [S, k, bs]
+    toks = seq_tokens[rows[:, :, None], jnp.clip(pos, 0, seq_tokens.shape[1] - 1)]
+    base = jnp.where(first > 0, state.block_chain[prev], 0)
+    chains = chain_values(block_digests(toks.reshape(s, k * bs), bs), base)
+    return _insert(state, blocks, parents, toks, chains, ent)
+
+
+def _insert(state: BlockManagerState, blocks, parents, toks, chains, ent) -> BlockManagerState:
+    """Inserts ``blocks`` (i32[M, k], consecutive blocks of one sequence per row) where ``ent``,
+    with their parents (i32[M, k]), tokens (i32[M, k, bs]) and chain values (u32[M, k]).
+    Entries already cached pass; a row's chain stops at its first entry whose bucket holds
+    another block (on a tie for an empty bucket the highest block id wins)."""
+    n = state.num_blocks
+    hsize = state.hash_table.shape[0]
+    keys = _mix32(chains)
     bucket = hash_bucket(keys, hsize)
     already = ent & state.cached[blocks]
     claim = ent & ~already & (state.hash_table[bucket] == 0)
@@ -182,14 +234,12 @@ def cache_full_blocks(
     cached = state.cached.at[jnp.where(commit, blocks, n)].set(True, mode="drop")
     revert = won & ~cached[blocks]
     table = table.at[jnp.where(revert, bucket, hsize)].set(0, mode="drop")
-    parents = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), blocks[:, :-1]], axis=1)
     cidx = jnp.where(commit, blocks, n)
     return state.replace(
         cached=cached,
         hash_table=table,
         block_hash=state.block_hash.at[cidx].set(keys, mode="drop"),
+        block_chain=state.block_chain.at[cidx].set(chains, mode="drop"),
         block_parent=state.block_parent.at[cidx].set(parents, mode="drop"),
-        block_tokens=state.block_tokens.at[cidx].set(
-            tokens[:, : k * bs].reshape(mm, k, bs), mode="drop"
-        ),
+        block_tokens=state.block_tokens.at[cidx].set(toks, mode="drop"),
     )

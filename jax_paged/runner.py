@@ -45,11 +45,26 @@ class DeviceState:
       kv: the K/V pages, ``[L, KVH, N, bs, D]`` each.
       blocks: block tables, refcounts and free pool (``S`` sequence slots).
       sampling: per-slot sampling history (``num_generated``, optional penalty counts).
+      tokens: with prefix caching, i32[S, P * bs] each slot's input tokens by position, written
+        by the steps as they compute them, so that every block is added to the prefix cache in
+        the step that fills it (`prefix_cache.cache_new_blocks`); None without caching.
     """
 
     kv: kvc.KVCache
     blocks: bm.BlockManagerState
     sampling: sampling.SamplingState
+    tokens: jax.Array | None = None
+
+
+def _cache_filled(tokens, blocks, old_blocks, slot, positions, values, write, max_new):
+    """With caching (``tokens`` not None): records ``values`` at (``slot``, ``positions``) where
+    ``write`` and adds the blocks they filled since ``old_blocks`` (the block manager before
+    this step's reservation) to the prefix cache. Returns (tokens, blocks)."""
+    if tokens is None:
+        return None, blocks
+    s = tokens.shape[0]
+    tokens = tokens.at[jnp.where(write, slot, s), positions].set(values, mode="drop")
+    return tokens, pc.cache_new_blocks(blocks, tokens, old_blocks.seq_lens, max_new)
 
 
 @struct.dataclass
@@ -116,9 +131,7 @@ def _copy_on_write(kv, res: bm.Reservation):
     )
 
 
-def paged_attn(
-    opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens=None, num_rows=None
-):
+def paged_attn(opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens=None, num_rows=None):
     """The model's attention function over the paged cache (the model sees ``B == 1``).
 
     With ``cu_q_lens`` the flattened tokens form a ragged batch (prefill chunks and decodes);
@@ -188,8 +201,8 @@ def mixed_step(
     the block tables; sample at each row's last token where ``samples``.
     """
     model = nnx.merge(graphdef, params)
-    blocks = bm.free(state.blocks, batch.free_mask)
-    blocks, res = bm.reserve(blocks, batch.num_new)
+    freed = bm.free(state.blocks, batch.free_mask)
+    blocks, res = bm.reserve(freed, batch.num_new)
     kv = _copy_on_write(state.kv, res)
 
     b = batch.row_slot.shape[0]
@@ -220,7 +233,12 @@ def mixed_step(
     active = row_valid & batch.samples & res.ok[safe_slot]
     rows = sampling.update_counts(rows, out.tokens, active)
     samp = _scatter_rows(state.sampling, rows, row_slot, active)
-    new_state = DeviceState(kv=kv, blocks=blocks, sampling=samp)
+    written = (tok_slot >= 0) & res.ok[jnp.clip(tok_slot, 0)]
+    t, bs = batch.tokens.shape[0], blocks.block_size
+    tokens, blocks = _cache_filled(
+        state.tokens, blocks, freed, tok_slot, batch.positions, batch.tokens, written, t // bs + 1
+    )
+    new_state = DeviceState(kv=kv, blocks=blocks, sampling=samp, tokens=tokens)
     return new_state, StepOutput(
         tokens=out.tokens,
         logprobs=out.logprobs,
@@ -291,7 +309,10 @@ def decode_step(
     )
     rows = sampling.update_counts(rows, out.tokens, ok)
     samp = _scatter_rows(state.sampling, rows, row_slot, ok)
-    return DeviceState(kv=kv, blocks=blocks, sampling=samp), out, ok
+    tokens, blocks = _cache_filled(
+        state.tokens, blocks, state.blocks, row_slot, positions, last_tokens, ok, 1
+    )
+    return DeviceState(kv=kv, blocks=blocks, sampling=samp, tokens=tokens), out, ok
 
 
 @functools.partial(
@@ -379,24 +400,20 @@ def decode_loop(
 @functools.partial(jax.jit, donate_argnames=("state",))
 def prepare(
     state: DeviceState,
-    cache_slots: jax.Array,
-    cache_tokens: jax.Array,
-    cache_len: jax.Array,
     free_mask: jax.Array,
     fork_parent: jax.Array,
     fork_child: jax.Array,
     lookup_tokens: jax.Array,
     lookup_len: jax.Array,
 ) -> tuple[DeviceState, jax.Array, jax.Array, jax.Array]:
-    """Between steps, in this order: add full blocks to the prefix cache, free slots, fork,
-    and look up (without taking anything) the prompts of sequences that may be admitted next.
+    """Between steps, in this order: free slots, fork, and look up (without taking anything)
+    the prompts of sequences that may be admitted next. (Blocks reach the prefix cache in the
+    step that fills them: `DeviceState.tokens`.)
 
     Args:
-      cache_slots: i32[M] live slots whose full blocks to cache (-1 = padding);
-        cache_tokens: i32[M, K] their tokens from position 0; cache_len: i32[M] how many.
       free_mask: bool[S] slots to free (finished, aborted, preempted).
       fork_parent, fork_child: i32[F] slot pairs (-1 = padding): the child shares all the
-        parent's blocks.
+        parent's blocks (and, with caching, its token row).
       lookup_tokens: i32[M, K] prompts to look up; lookup_len: i32[M] their lengths (0 =
         padding).
 
@@ -404,8 +421,12 @@ def prepare(
       (state, free blocks i32[], cached tokens i32[M] and evictable blocks among them i32[M]
       per looked-up prompt: `prefix_cache.lookup_prefix`).
     """
-    blocks = pc.cache_full_blocks(state.blocks, cache_slots, cache_tokens, cache_len)
-    blocks = bm.free(blocks, free_mask)
+    blocks = bm.free(state.blocks, free_mask)
     blocks, _ = bm.fork(blocks, fork_parent, fork_child)
+    tokens = state.tokens
+    if tokens is not None:
+        s = tokens.shape[0]
+        dst = jnp.where((fork_parent >= 0) & (fork_child >= 0), fork_child, s)
+        tokens = tokens.at[dst].set(tokens[jnp.clip(fork_parent, 0, s - 1)], mode="drop")
     hit, revive = pc.lookup_prefix(blocks, lookup_tokens, lookup_len)
-    return state.replace(blocks=blocks), bm.num_free_blocks(blocks), hit, revive
+    return state.replace(blocks=blocks, tokens=tokens), bm.num_free_blocks(blocks), hit, revive

@@ -297,3 +297,58 @@ def test_eviction_queue_skips_revived_entries_and_compacts_when_full():
     st, ok, _, _ = _reserve(st, [0, 6])  # needs all 3 blocks: 2 and 3, then evicts 1
     assert ok == [True, True]
     assert sorted(_bt(st)[1]) == [1, 2, 3] and int(st.num_evictable) == 0
+
+
+def test_cache_new_blocks_as_they_fill_equals_caching_whole_rows():
+    """Random chunked growth of 4 slots: caching each step's newly full blocks from the slots'
+    token rows (`cache_new_blocks`, what the engine's steps do) leaves the same prefix cache as
+    re-keying whole rows (`cache_full_blocks`) after every step. Distinct prompts and a large
+    table, so no two blocks contend for a bucket (under contention the two may differ: whole
+    rows retry a lost bucket on every call, new blocks try once)."""
+    rng = np.random.default_rng(0)
+    bs, s, p = 4, 4, 12
+    seqs = rng.integers(0, 1000, (s, p * bs)).astype(np.int32)
+    seq_tokens = jnp.asarray(seqs)
+    inc = full = bm.init_state(64, bs, s, p, hash_table_size=1 << 16)
+    lens = np.zeros(s, np.int32)
+    for step in range(14):
+        chunk = rng.integers(0, 6, s) if step % 3 else np.ones(s, np.int64)
+        chunk = np.minimum(chunk, p * bs - lens).astype(np.int32)
+        old = inc.seq_lens
+        inc, res_a = bm.reserve(inc, jnp.asarray(chunk))
+        full, res_b = bm.reserve(full, jnp.asarray(chunk))
+        assert np.asarray(res_a.ok).all() and np.asarray(res_b.ok).all()
+        lens += chunk
+        inc = pc.cache_new_blocks(inc, seq_tokens, old, max_new=int(chunk.max()) // bs + 1)
+        full = pc.cache_full_blocks(full, jnp.arange(s), seq_tokens, jnp.asarray(lens))
+        bm.check_invariants(inc)
+        for f in ("cached", "hash_table", "block_hash", "block_chain", "block_parent"):
+            np.testing.assert_array_equal(getattr(inc, f), getattr(full, f), err_msg=f)
+        np.testing.assert_array_equal(
+            np.asarray(inc.block_tokens)[np.asarray(inc.cached)],
+            np.asarray(full.block_tokens)[np.asarray(full.cached)],
+        )
+    nfull = lens // bs
+    assert int(np.asarray(inc.cached).sum()) == nfull.sum()  # every full block is cached
+    keys = np.asarray(pc.block_hashes(seq_tokens, bs))
+    tables = np.asarray(inc.block_tables)
+    for r in range(s):
+        np.testing.assert_array_equal(
+            np.asarray(inc.block_hash)[tables[r, : nfull[r]]], keys[r, : nfull[r]]
+        )
+    # A new prompt, slot 0's first 25 tokens and then others, matches slot 0's cached blocks
+    # and grows from that prefix: its new blocks continue the chain.
+    inc = bm.free(inc, jnp.asarray([False, False, False, True]))
+    probe = np.zeros((1, p * bs), np.int32)
+    probe[0, :25] = seqs[0, :25]
+    inc, cached, ok = pc.match_prefix(inc, jnp.asarray([3]), jnp.asarray(probe), jnp.asarray([25]))
+    assert bool(ok[0]) and int(cached[0]) == min(24, int(nfull[0]) * bs)
+    old = inc.seq_lens
+    inc, _ = bm.reserve(inc, jnp.asarray([0, 0, 0, 9], jnp.int32))
+    row3 = np.concatenate([seqs[0, :24], rng.integers(1000, 2000, p * bs - 24)]).astype(np.int32)
+    inc = pc.cache_new_blocks(inc, seq_tokens.at[3].set(row3), old, max_new=4)
+    bm.check_invariants(inc)
+    n3 = int(inc.seq_lens[3]) // bs
+    got = np.asarray(inc.block_hash)[np.asarray(inc.block_tables)[3, :n3]]
+    np.testing.assert_array_equal(got, np.asarray(pc.block_hashes(jnp.asarray(row3), bs))[:n3])
+    assert np.asarray(inc.cached)[np.asarray(inc.block_tables)[3, :n3]].all()

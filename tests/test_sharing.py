@@ -156,3 +156,37 @@ def test_abort_before_fork_returns_everything(tiny_llama):
     while engine.has_unfinished_requests():
         engine.step()
     _check_pool(llm)
+
+
+def test_blocks_filled_inside_the_decode_loop_are_cached_as_they_fill(tiny_llama):
+    """A prompt made of a running request's prompt and its first 30 generated tokens (all made
+    inside multi-step decode loops) finds those blocks while that request still runs: they
+    reached the prefix cache in the step that filled them, and no tokens crossed for it."""
+    path, hf = tiny_llama
+    llm = LLM(
+        str(path),
+        enable_prefix_caching=True,
+        num_kv_blocks=64,
+        block_size=BS,
+        max_num_seqs=4,
+        max_decode_steps=8,
+    )
+    eng = llm.engine
+    first = list(range(3, 3 + 2 * BS + 1))
+    eng.add_request("a", {"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=60))
+    made: list[int] = []
+    while len(made) < 32:
+        for o in eng.step():
+            made = list(o.outputs[0].token_ids)
+    assert eng.requests["a"] and not eng.requests["a"].finished
+    assert eng.get_metrics()["decode_loop_tokens"] >= 24
+    probe = first + made[:30]
+    eng.add_request("b", {"prompt_token_ids": probe}, SamplingParams(temperature=0, max_tokens=4))
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert outs["b"].num_cached_tokens == (len(probe) - 1) // BS * BS
+    assert list(outs["b"].outputs[0].token_ids) == hf_greedy(hf, probe, 4)
+    assert list(outs["a"].outputs[0].token_ids) == hf_greedy(hf, first, 60)
+    _check_pool(llm)
