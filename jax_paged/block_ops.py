@@ -123,6 +123,6 @@ class BlockOpQueue:
         free, forks, self.free, self.forks = self.free, self.forks, [], []
         num_free, found = runner.prepare(free, forks, [q.all_token_ids for q in cand])
         scheduler.num_free_blocks = num_free
-        for q, (hit, revive) in zip(cand, found, strict=True):
-            q.prefix_hit, q.prefix_revive = hit, revive
+        for i, (q, (hit, revive)) in enumerate(zip(cand, found, strict=True)):
+            q.prefix_hit, q.prefix_revive, q.prefix_row = hit, revive, i
         return cand

@@ -66,7 +66,7 @@ def _prefill_attention(config, nb: int, t: int):
     attends causally within itself (pad positions hold garbage that no real query reads)."""
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (nb, t))
 
-    def attn(layer, q, k, v, kv):
+    def attn(layer, q, k, v, kv, sliding_window=config.sliding_window):
         k_all, v_all = kv
         h, d = q.shape[2], q.shape[3]
         kvh = k.shape[2]
@@ -83,7 +83,7 @@ def _prefill_attention(config, nb: int, t: int):
             scale=config.scale,
             q_positions=pos,
             k_positions=pos,
-            sliding_window=config.sliding_window,
+            sliding_window=sliding_window,
         )
         return out.reshape(1, nb * t, h, d), (k_all, v_all)
 
@@ -95,7 +95,7 @@ def _decode_attention(config, nb: int, ctx: int, positions):
     rows = jnp.arange(nb)
     kpos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (nb, ctx))
 
-    def attn(layer, q, k, v, kv):
+    def attn(layer, q, k, v, kv, sliding_window=config.sliding_window):
         k_all, v_all = kv
         k_all = k_all.at[layer, rows, positions].set(k[:, 0].astype(k_all.dtype))
         v_all = v_all.at[layer, rows, positions].set(v[:, 0].astype(v_all.dtype))
@@ -109,7 +109,7 @@ def _decode_attention(config, nb: int, ctx: int, positions):
             scale=config.scale,
             q_positions=positions[:, None],
             k_positions=kpos,
-            sliding_window=config.sliding_window,
+            sliding_window=sliding_window,
         )
         return out, (k_all, v_all)
 

@@ -119,11 +119,17 @@ class ModelRunner:
             hash_table_size=16 * _pow2_at_least(self.num_blocks),
         )
         samp = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=track_tokens)
-        tokens = None
-        if self.config.enable_prefix_caching:
-            width = self.max_blocks_per_seq * bs
-            tokens = jnp.zeros((self.max_num_seqs, width), jnp.int32)
-        return runner.DeviceState(kv=kv, blocks=blocks, sampling=samp, tokens=tokens)
+        if not self.config.enable_prefix_caching:
+            return runner.DeviceState(kv=kv, blocks=blocks, sampling=samp)
+        s, p = self.max_num_seqs, self.max_blocks_per_seq
+        return runner.DeviceState(
+            kv=kv,
+            blocks=blocks,
+            sampling=samp,
+            tokens=jnp.zeros((s, p * bs), jnp.int32),
+            found_blocks=jnp.zeros((s, p), jnp.int32),
+            found_len=jnp.zeros(s, jnp.int32),
+        )
 
     def reset(self) -> None:
         """Drops the device state (first, so its memory is free) and starts an empty one."""
@@ -217,7 +223,8 @@ class ModelRunner:
         return int(num_free), found
 
     def admit(self, seqs: list[Sequence], fresh: list[ScheduledChunk], running=()) -> int:
-        """Starts the ``fresh`` chunks' sequences from the prefix cache in their slots and sets
+        """Starts the ``fresh`` chunks' sequences from the prefix cache in their slots (the
+        blocks this step's `prepare` found for them, row ``seq.prefix_row``) and sets
         the sampling rows of the admitted ``seqs`` (their ``needs_row_init`` is cleared).
         The first sequence with penalties switches the sampling history to per-slot token
         counts, filled in for the other ``running`` sequences. Returns the free blocks. Raises
@@ -229,7 +236,11 @@ class ModelRunner:
         slots = np.full(m, -1, np.int32)
         for i, s in enumerate(seqs):
             slots[i] = s.slot
-        match = self.token_rows((c.seq.slot, c.seq.all_token_ids) for c in fresh)
+        mslots = np.full(self.max_num_seqs, -1, np.int32)
+        mrows = np.zeros(self.max_num_seqs, np.int32)
+        for i, c in enumerate(fresh):
+            mslots[i], mrows[i] = c.seq.slot, c.seq.prefix_row
+        match = (mslots, mrows)
         if self.tracks_tokens:
             lp = _pow2_at_least(max(len(s.prompt_token_ids) for s in seqs), 16)
             lo = _pow2_at_least(max(len(s.output_token_ids) for s in seqs), 16)
@@ -362,9 +373,19 @@ class ModelRunner:
 
 # Admission: start sequences from the prefix cache, set their slots' sampling history. The
 # whole device state is donated (the KV pool is passed through untouched, never copied).
+def _take_found(state: runner.DeviceState, mslots, mrows):
+    """Starts slots ``mslots`` (i32[M], -1 = padding) from what the last `prepare` found for
+    its lookup rows ``mrows`` (i32[M])."""
+    if state.found_blocks is None:  # no prefix caching: nothing can have been found
+        return state.blocks, jnp.zeros(mslots.shape, jnp.int32)
+    cand, matched = state.found_blocks[mrows], state.found_len[mrows]
+    blocks, cached, _ = pc.take_prefix(state.blocks, mslots, cand, matched)
+    return blocks, cached
+
+
 @functools.partial(jax.jit, donate_argnums=0)
-def _admit_untracked(state: runner.DeviceState, mslots, mtokens, mlen, slots, n_out):
-    blocks, cached, _ = pc.match_prefix(state.blocks, mslots, mtokens, mlen)
+def _admit_untracked(state: runner.DeviceState, mslots, mrows, slots, n_out):
+    blocks, cached = _take_found(state, mslots, mrows)
     s = state.sampling
     b = s.num_generated.shape[0]
     idx = jnp.where((slots >= 0) & (slots < b), slots, b)
@@ -373,7 +394,7 @@ def _admit_untracked(state: runner.DeviceState, mslots, mtokens, mlen, slots, n_
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _admit_tracked(state: runner.DeviceState, mslots, mtokens, mlen, slots, prompt, out):
-    blocks, cached, _ = pc.match_prefix(state.blocks, mslots, mtokens, mlen)
+def _admit_tracked(state: runner.DeviceState, mslots, mrows, slots, prompt, out):
+    blocks, cached = _take_found(state, mslots, mrows)
     samp = sampling.set_rows(state.sampling, slots, prompt, out)
     return state.replace(blocks=blocks, sampling=samp), cached, bm.num_free_blocks(blocks)

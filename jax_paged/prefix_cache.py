@@ -68,9 +68,10 @@ def block_hashes(tokens: jax.Array, block_size: int) -> jax.Array:
     return _mix32(chain_values(block_digests(tokens, block_size)))
 
 
-def _lookup(state: BlockManagerState, tokens, num_tokens) -> tuple[jax.Array, jax.Array]:
+def lookup_blocks(state: BlockManagerState, tokens, num_tokens) -> tuple[jax.Array, jax.Array]:
     """(candidate blocks i32[M, k], matched blocks i32[M]): the cached chain of each prompt's
-    whole blocks, at most (num_tokens - 1) // bs of them."""
+    whole blocks (tokens: i32[M, K], row i valid up to num_tokens[i]), at most
+    (num_tokens - 1) // bs of them; k = min(P, K // bs). Changes nothing."""
     p = state.block_tables.shape[1]
     bs = state.block_size
     tokens = jnp.asarray(tokens, jnp.int32)
@@ -97,7 +98,11 @@ def lookup_prefix(
     """What `match_prefix` would find, changing nothing: tokens: i32[M, K] prompts, row i
     valid up to num_tokens[i]. Returns (cached tokens i32[M], blocks i32[M] among them that are
     evictable now, i.e. that matching would take out of the free pool)."""
-    cand, matched = _lookup(state, tokens, num_tokens)
+    return prefix_hits(state, *lookup_blocks(state, tokens, num_tokens))
+
+
+def prefix_hits(state: BlockManagerState, cand: jax.Array, matched: jax.Array):
+    """(cached tokens i32[M], evictable blocks among them i32[M]) of a `lookup_blocks` result."""
     ent = jnp.arange(cand.shape[1], dtype=jnp.int32)[None, :] < matched[:, None]
     revive = (ent & (state.ref_counts[cand] == 0)).sum(1, dtype=jnp.int32)
     return matched * state.block_size, revive
@@ -118,6 +123,16 @@ def match_prefix(
     Returns (state, num_cached_tokens i32[M], ok bool[M]); rows with ok False (slot out of
     range, live, or repeated) change nothing and report 0 cached tokens.
     """
+    cand, matched = lookup_blocks(state, tokens, num_tokens)
+    return take_prefix(state, slots, cand, matched)
+
+
+def take_prefix(
+    state: BlockManagerState, slots: jax.Array, cand: jax.Array, matched: jax.Array
+) -> tuple[BlockManagerState, jax.Array, jax.Array]:
+    """`match_prefix` given what `lookup_blocks` found (cand: i32[M, k], matched: i32[M]) on
+    this same state: starts each free slot of ``slots`` (i32[M], -1 = padding) from its first
+    ``matched`` blocks. Returns (state, num_cached_tokens i32[M], ok bool[M])."""
     s, p = state.block_tables.shape
     n = state.num_blocks
     slots = jnp.asarray(slots, jnp.int32)
@@ -125,7 +140,6 @@ def match_prefix(
     sc = jnp.clip(slots, 0, s - 1)
     ok = (slots >= 0) & (slots < s) & ~state.live[sc]
     _, ok = first_occurrence(jnp.zeros(s, jnp.int32), slots, ok, jnp.arange(mm), s)
-    cand, matched = _lookup(state, tokens, num_tokens)
     k = cand.shape[1]
     bs = state.block_size
     matched = jnp.where(ok, matched, 0)

@@ -48,12 +48,17 @@ class DeviceState:
       tokens: with prefix caching, i32[S, P * bs] each slot's input tokens by position, written
         by the steps as they compute them, so that every block is added to the prefix cache in
         the step that fills it (`prefix_cache.cache_new_blocks`); None without caching.
+      found_blocks, found_len: with prefix caching, i32[M, P] and i32[M]: what the last
+        `prepare` found for each prompt it looked up (`prefix_cache.lookup_blocks`), so that
+        admitting them takes those blocks without their tokens crossing again.
     """
 
     kv: kvc.KVCache
     blocks: bm.BlockManagerState
     sampling: sampling.SamplingState
     tokens: jax.Array | None = None
+    found_blocks: jax.Array | None = None
+    found_len: jax.Array | None = None
 
 
 def _cache_filled(tokens, blocks, old_blocks, slot, positions, values, write, max_new):
@@ -138,7 +143,7 @@ def paged_attn(opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens=N
     without, there is one decode token per row.
     """
 
-    def attn(layer, q, k, v, kv):
+    def attn(layer, q, k, v, kv, sliding_window=opts.sliding_window):
         # `layer` is the traced counter of the model's layer scan and `kv` its carry: the
         # write scatters into the stacked pages in place and the kernel reads them through the
         # index (a `kv.k[layer]` slice would copy the layer's whole pool every step).
@@ -153,7 +158,7 @@ def paged_attn(opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens=N
             num_rows,
             layer=layer,
             scale=opts.scale,
-            sliding_window=opts.sliding_window,
+            sliding_window=sliding_window,
             soft_cap=opts.soft_cap,
             impl=opts.impl,
             interpret=opts.interpret,
@@ -238,7 +243,7 @@ def mixed_step(
     tokens, blocks = _cache_filled(
         state.tokens, blocks, freed, tok_slot, batch.positions, batch.tokens, written, t // bs + 1
     )
-    new_state = DeviceState(kv=kv, blocks=blocks, sampling=samp, tokens=tokens)
+    new_state = state.replace(kv=kv, blocks=blocks, sampling=samp, tokens=tokens)
     return new_state, StepOutput(
         tokens=out.tokens,
         logprobs=out.logprobs,
@@ -312,7 +317,7 @@ def decode_step(
     tokens, blocks = _cache_filled(
         state.tokens, blocks, state.blocks, row_slot, positions, last_tokens, ok, 1
     )
-    return DeviceState(kv=kv, blocks=blocks, sampling=samp, tokens=tokens), out, ok
+    return state.replace(kv=kv, blocks=blocks, sampling=samp, tokens=tokens), out, ok
 
 
 @functools.partial(
@@ -415,7 +420,7 @@ def prepare(
       fork_parent, fork_child: i32[F] slot pairs (-1 = padding): the child shares all the
         parent's blocks (and, with caching, its token row).
       lookup_tokens: i32[M, K] prompts to look up; lookup_len: i32[M] their lengths (0 =
-        padding).
+        padding). What they found is kept (``found_blocks``, ``found_len``) for `admit`.
 
     Returns:
       (state, free blocks i32[], cached tokens i32[M] and evictable blocks among them i32[M]
@@ -428,5 +433,8 @@ def prepare(
         s = tokens.shape[0]
         dst = jnp.where((fork_parent >= 0) & (fork_child >= 0), fork_child, s)
         tokens = tokens.at[dst].set(tokens[jnp.clip(fork_parent, 0, s - 1)], mode="drop")
-    hit, revive = pc.lookup_prefix(blocks, lookup_tokens, lookup_len)
+    cand, matched = pc.lookup_blocks(blocks, lookup_tokens, lookup_len)
+    hit, revive = pc.prefix_hits(blocks, cand, matched)
+    if state.found_blocks is not None:
+        state = state.replace(found_blocks=cand, found_len=matched)
     return state.replace(blocks=blocks, tokens=tokens), bm.num_free_blocks(blocks), hit, revive

@@ -82,9 +82,11 @@ class Sequence:
     cow_pending: bool = False
     needs_row_init: bool = False
     # Prefix cache, as the device's last lookup found it for this waiting sequence: tokens it
-    # would start from, and how many of those blocks are evictable (taken from the free pool).
+    # would start from, how many of those blocks are evictable (taken from the free pool), and
+    # its row in that lookup (admission takes the blocks found there).
     prefix_hit: int = 0
     prefix_revive: int = 0
+    prefix_row: int = 0
 
     @property
     def num_tokens(self) -> int:

