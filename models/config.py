@@ -190,6 +190,7 @@ class ModelConfig:
             mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=_sliding_window_from_hf(d, model_type, source),
+            layer_windows=_qwen_layer_windows(d, model_type),
             **rope,
         )
 
@@ -248,13 +249,24 @@ def _sliding_window_from_hf(d: dict[str, Any], model_type: str, source: str) -> 
             for i in range(int(d["num_hidden_layers"]))
         ]
         if any(t != "sliding_attention" for t in layer_types):
-            # Qwen windows only the layers past max_window_layers; one window for all is all
-            # the engine's kernels take today.
-            raise ValueError(
-                f"{source}: sliding windows on only some layers are not supported "
-                "(use_sliding_window with mixed layer_types)"
-            )
+            return None  # windows on some layers only: `_qwen_layer_windows`
     return None if window is None else int(window)
+
+
+def _qwen_layer_windows(d: dict[str, Any], model_type: str) -> tuple[int | None, ...]:
+    """Per-layer windows of a Qwen2/3 config that windows only some layers (those past
+    ``max_window_layers``, or as ``layer_types`` says); () when the layers are alike."""
+    if model_type not in ("qwen2", "qwen3") or not d.get("use_sliding_window", False):
+        return ()
+    n = int(d["num_hidden_layers"])
+    layer_types = d.get("layer_types") or [
+        "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
+        for i in range(n)
+    ]
+    if all(t == "sliding_attention" for t in layer_types) or d.get("sliding_window") is None:
+        return ()
+    w = int(d["sliding_window"])
+    return tuple(w if t == "sliding_attention" else None for t in layer_types)
 
 
 def _gemma3_from_hf(d: dict[str, Any], source: str) -> dict[str, Any]:

@@ -46,11 +46,10 @@ from flax import nnx
 from models.config import ModelConfig
 from models.llama import (
     AttentionFn,
+    Transformer,
     _linear,
     apply_rope,
-    make_dense_attention,
     rope_cos_sin,
-    stack_layers,
 )
 
 
@@ -150,7 +149,7 @@ class GemmaDecoderLayer(nnx.Module):
         return x, kv
 
 
-class Gemma3(nnx.Module):
+class Gemma3(Transformer):
     """The Gemma 3 text decoder; satisfies `models.PagedModel` like `models.Transformer`.
 
     `model.config` is its `ModelConfig` (``layer_windows`` lists the local layers' window and
@@ -158,22 +157,8 @@ class Gemma3(nnx.Module):
     `models.load`; `Gemma3(config, rngs=nnx.Rngs(0))` gives a random one.
     """
 
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.config = config
-        self.dtype = jnp.dtype(dtype)
-        self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
-        )
-        self.layers = stack_layers(
-            [GemmaDecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)]
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        if not config.tie_word_embeddings:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, rngs)
-
-    @property
-    def scale(self) -> float:
-        return self.config.scale
+    layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
 
     def forward(
         self,
@@ -219,25 +204,4 @@ class Gemma3(nnx.Module):
         for j in range(rest):
             carry = run_layer(carry, jnp.int32(groups * size + j), pattern[j])
         x, kv = carry
-        if logits_indices is not None:
-            x = x[:, logits_indices]  # [B,R,E]
-        x = self.norm(x)
-        if c.tie_word_embeddings:
-            emb = self.embed_tokens.embedding[...]
-            logits = jnp.einsum("bte,ve->btv", x, emb, preferred_element_type=jnp.float32)
-        else:
-            logits = self.lm_head(x)
-        logits = logits.astype(jnp.float32)
-        if c.final_logit_softcapping is not None:
-            cap = c.final_logit_softcapping
-            logits = cap * jnp.tanh(logits / cap)
-        return logits, kv
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Dense causal forward: tokens i32[B,T] at positions 0..T-1 -> logits f32[B,T,V]."""
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        logits, _ = self.forward(
-            tokens, positions, make_dense_attention(self.config, positions), None
-        )
-        return logits
+        return self.lm_logits(x, logits_indices), kv

@@ -168,8 +168,9 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer):
-        """x[B,T,E], cos/sin[B,T,D], layer i32[] -> (y[B,T,E], kv)."""
+    def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer, window=()):
+        """x[B,T,E], cos/sin[B,T,D], layer i32[] -> (y[B,T,E], kv). ``window`` (static): the
+        layer's own sliding window (an int or None) when the layers differ; () = the config's."""
         c = self.config
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)  # [B,T,H,D]
@@ -178,7 +179,10 @@ class Attention(nnx.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, kv = attn(layer, q, k, v, kv)  # [B,T,H,D]
+        if window == ():
+            out, kv = attn(layer, q, k, v, kv)  # [B,T,H,D]
+        else:
+            out, kv = attn(layer, q, k, v, kv, sliding_window=window)
         return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim)), kv
 
 
@@ -202,11 +206,25 @@ class DecoderLayer(nnx.Module):
         )
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv, layer)
+    def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer, window=()):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv, layer, window)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv
+
+
+def window_runs(config: ModelConfig) -> list[tuple[int, int, Any]]:
+    """[(first layer, end, window)] runs of consecutive layers sharing a sliding window; the
+    window is () (the config's own, for every layer) when ``layer_windows`` is empty."""
+    if not config.layer_windows:
+        return [(0, config.num_layers, ())]
+    runs, start = [], 0
+    w = config.layer_windows
+    for i in range(1, len(w) + 1):
+        if i == len(w) or w[i] != w[start]:
+            runs.append((start, i, w[start]))
+            start = i
+    return runs
 
 
 def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
@@ -220,8 +238,13 @@ class Transformer(nnx.Module):
     """The decoder. `model.config` is its `ModelConfig`, `model.scale` the softmax scale.
 
     Build real weights with `models.load`; `Transformer(config, rngs=nnx.Rngs(0))` gives a
-    randomly initialised one (tests, shapes).
+    randomly initialised one (tests, shapes). A family that differs in its layers and final
+    norm subclasses it (``layer_cls``, ``norm_cls``; `models.gemma.Gemma3`) and may override
+    `forward`, keeping the embedding, the stacked layers and the LM head (`lm_logits`).
     """
+
+    layer_cls = DecoderLayer
+    norm_cls = RMSNorm
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
@@ -230,9 +253,9 @@ class Transformer(nnx.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
         self.layers = stack_layers(
-            [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)]
+            [self.layer_cls(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         if not config.tie_word_embeddings:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, rngs)
 
@@ -254,19 +277,46 @@ class Transformer(nnx.Module):
         With ``logits_indices`` (i32[R]) only the hidden states at those token indices go
         through the LM head, giving logits f32[B,R,V]: the engine needs one row per sequence,
         not one per prompt token.
+
+        The layers run under one scan; with per-layer windows (``config.layer_windows``, Qwen2
+        windowing only the layers past ``max_window_layers``) one scan per run of layers that
+        share a window, each passing it to ``attn`` (``sliding_window=``, static).
         """
         x = self.embed_tokens(tokens)  # [B,T,E]
         cos, sin = rope_cos_sin(self.config, positions)  # [B,T,D]
         layer_def, layer_params = nnx.split(self.layers)  # params: [L, ...] leaves
+        runs = window_runs(self.config)
+        if len(runs) == 1:  # every layer alike: scan over the stacked parameters
 
-        def body(carry, xs):
+            def body(carry, xs):
+                x, kv = carry
+                params, i = xs
+                x, kv = nnx.merge(layer_def, params)(x, cos, sin, attn, kv, i, runs[0][2])
+                return (x, kv), None
+
+            layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_params, layer_ids))
+        else:  # a scan per run, each layer's parameters indexed in place (no sliced copies)
+            carry = (x, kv)
+            for start, stop, window in runs:
+
+                def run_body(carry, i, window=window):
+                    x, kv = carry
+                    params = jax.tree.map(
+                        lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                        layer_params,
+                    )
+                    x, kv = nnx.merge(layer_def, params)(x, cos, sin, attn, kv, i, window)
+                    return (x, kv), None
+
+                ids = jnp.arange(start, stop, dtype=jnp.int32)
+                carry, _ = jax.lax.scan(run_body, carry, ids)
             x, kv = carry
-            params, i = xs
-            x, kv = nnx.merge(layer_def, params)(x, cos, sin, attn, kv, i)
-            return (x, kv), None
+        return self.lm_logits(x, logits_indices), kv
 
-        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_params, layer_ids))
+    def lm_logits(self, x: jax.Array, logits_indices: jax.Array | None = None) -> jax.Array:
+        """Final norm and LM head (tied or not): hidden x[B,T,E] -> logits f32[B,T,V], or
+        f32[B,R,V] at ``logits_indices`` i32[R]; Gemma-style final soft cap if configured."""
         if logits_indices is not None:
             x = x[:, logits_indices]  # [B,R,E]
         x = self.norm(x)
@@ -275,7 +325,11 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("bte,ve->btv", x, emb, preferred_element_type=jnp.float32)
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32), kv
+        logits = logits.astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Dense causal forward: tokens i32[B,T] at positions 0..T-1 -> logits f32[B,T,V].
