@@ -1,7 +1,7 @@
 """Gemma 3 (text) as HF's `Gemma3ForCausalLM` configures it, in Flax NNX.
 
-What differs from `models.llama` (which lends RoPE, the attention functions, `_linear` and
-`stack_layers`):
+`Gemma3` subclasses `models.llama.Transformer` (embedding, stacked layers, LM head, dense
+forward), `GemmaAttention` and `GemmaMLP` the Llama attention and MLP; what differs:
 
 - RMSNorm scales by ``(1 + w)`` and casts after the scale (`GemmaRMSNorm`); the weights are
   stored as ``w`` (HF's zeros-centred form).
@@ -45,10 +45,10 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.llama import (
+    MLP,
+    Attention,
     AttentionFn,
     Transformer,
-    _linear,
-    apply_rope,
     rope_cos_sin,
 )
 
@@ -93,40 +93,18 @@ class GemmaRMSNorm(nnx.Module):
         return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
-class GemmaAttention(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        c = config
-        self.config = c
-        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, dtype, rngs)
-        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, rngs)
-        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, rngs)
-        self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.o_bias, dtype, rngs)
-        self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
-        self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+class GemmaAttention(Attention):
+    """`models.llama.Attention` with Gemma's (1 + w) q/k norms (``config.qk_norm`` is set)."""
 
-    def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer, *, sliding_window):
-        """x[B,T,E], cos/sin f32[B,T,D], layer i32[], sliding_window static -> (y[B,T,E], kv)."""
-        c = self.config
-        b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim))  # [B,T,H,D]
-        k = self.k_norm(self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim))  # [B,T,KVH,D]
-        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)  # [B,T,KVH,D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, kv = attn(layer, q, k, v, kv, sliding_window=sliding_window)  # [B,T,H,D]
-        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim)), kv
+    norm_cls = GemmaRMSNorm
 
 
-class GemmaMLP(nnx.Module):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x)), x[B,T,E] -> [B,T,E] through width F."""
+class GemmaMLP(MLP):
+    """GeGLU: `models.llama.MLP` with tanh-approximate GELU."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        c = config
-        self.gate_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, rngs)
-        self.up_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, rngs)
-        self.down_proj = _linear(c.intermediate_size, c.hidden_size, c.mlp_bias, dtype, rngs)
-
-    def __call__(self, x):
-        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+    @staticmethod
+    def act(x):
+        return jax.nn.gelu(x, approximate=True)
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -141,9 +119,7 @@ class GemmaDecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer, *, sliding_window):
         """x[B,T,E] -> (x[B,T,E], kv); pre- and post-norms around attention and MLP."""
-        h, kv = self.self_attn(
-            self.input_layernorm(x), cos, sin, attn, kv, layer, sliding_window=sliding_window
-        )
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv, layer, sliding_window)
         x = x + self.post_attention_layernorm(h)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x, kv

@@ -157,6 +157,8 @@ def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linea
 
 
 class Attention(nnx.Module):
+    norm_cls = None  # the q/k norm's class (`RMSNorm`, set below); Gemma's differs
+
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         c = config
         self.config = c
@@ -165,8 +167,9 @@ class Attention(nnx.Module):
         self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, rngs)
         self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.o_bias, dtype, rngs)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+            norm = self.norm_cls or RMSNorm
+            self.q_norm = norm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+            self.k_norm = norm(c.head_dim, c.rms_norm_eps, dtype=dtype)
 
     def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer, window=()):
         """x[B,T,E], cos/sin[B,T,D], layer i32[] -> (y[B,T,E], kv). ``window`` (static): the
@@ -187,6 +190,12 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """down(act(gate(x)) * up(x)), x[B,T,E] -> [B,T,E] through width F; act = SiLU (SwiGLU)."""
+
+    @staticmethod
+    def act(x):
+        return jax.nn.silu(x)
+
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         c = config
         self.gate_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, rngs)
@@ -194,7 +203,7 @@ class MLP(nnx.Module):
         self.down_proj = _linear(c.intermediate_size, c.hidden_size, c.mlp_bias, dtype, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
