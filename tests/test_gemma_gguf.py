@@ -29,6 +29,52 @@ TEXTS = [
     "<start_of_turn>user\nhi<end_of_turn>\n",
     "1234567 x=3.14;",
     "",
+    # More of every kind, 50 in all (the issue's count): prose, code, numbers, scripts, edge
+    # whitespace, special and byte-fallback characters.
+    "Once upon a time, in a land far, far away...",
+    "def f(x):\n    return x ** 2  # square",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    '{"key": [1, 2, 3], "nested": {"a": null}}',
+    "SELECT name, COUNT(*) FROM users GROUP BY name;",
+    "https://example.com/path?query=1&x=%20y#frag",
+    "user@example.org wrote: >> quoted text",
+    "C'est la vie ! Ça va ? Où est la bibliothèque ?",
+    "Größenordnung, Straße, Äpfel und Öl",
+    "¿Dónde está el baño? ¡Muy bien!",
+    "Привет, как дела? Это тест.",
+    "Γειά σου Κόσμε",
+    "مرحبا بالعالم",
+    "שלום עולם",
+    "नमस्ते दुनिया",
+    "你好，世界！今天天气很好。",
+    "こんにちは、世界。カタカナとひらがな。",
+    "안녕하세요 세계",
+    "ไทย ภาษา ทดสอบ",
+    "Tiếng Việt có dấu: ắ ằ ẳ ẵ ặ",
+    "emoji 👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵",
+    "math: ∑ᵢ xᵢ² ≤ ∞, ∀ε>0 ∃δ",
+    "    leading spaces and trailing spaces    ",
+    "\n\n\nthree newlines first",
+    "tabs\t\tand\r\ncarriage returns",
+    "a" * 100,
+    "ab " * 40,
+    "0.000001 1e-9 -42 +7 3/4 50%",
+    "2026-12-01T14:10:10Z",
+    "MixedCASE camelCase snake_case kebab-case SCREAMING_CASE",
+    "The quick brown fox jumps over the lazy dog.",
+    'She said, "It\'s fine," and left—quickly…',
+    "<bos>not really a bos token",
+    "<start_of_turn>model\nSure!<end_of_turn>",
+    "<unk> <pad> <mask> [CLS] [SEP]",
+    "\u00a0non-breaking\u00a0spaces\u2009thin",
+    "zero\u200bwidth\u200djoiner",
+    "control \x07 bell \x1b escape",
+    "private use \ue000\uf8ff",
+    "rare CJK 𠀀𪚥 and old italic 𐌀𐌁",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod.",
+    "I'm, you're, they've, we'd, it'll, o'clock",
+    "#!/bin/bash\necho $HOME | grep -v root",
+    "日本語とEnglishのmixed text with 数字123",
 ]
 LONG = (
     "The history of the river begins in the mountains, where snow melts each spring and feeds "
@@ -67,6 +113,7 @@ def test_config(ours):
 def test_tokenizer_matches_hf(path, ours):
     _, transformers = oracle()
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert len(TEXTS) == 50
     for text in TEXTS + [LONG]:
         ids = ours.tokenizer.encode(text)
         assert ids == hf(text)["input_ids"], text
