@@ -157,7 +157,7 @@ def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linea
 
 
 class Attention(nnx.Module):
-    norm_cls = None  # the q/k norm's class (`RMSNorm`, set below); Gemma's differs
+    norm_cls = RMSNorm  # the q/k norms' class; Gemma's differs
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         c = config
@@ -167,9 +167,8 @@ class Attention(nnx.Module):
         self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, rngs)
         self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.o_bias, dtype, rngs)
         if c.qk_norm:
-            norm = self.norm_cls or RMSNorm
-            self.q_norm = norm(c.head_dim, c.rms_norm_eps, dtype=dtype)
-            self.k_norm = norm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+            self.q_norm = self.norm_cls(c.head_dim, c.rms_norm_eps, dtype=dtype)
+            self.k_norm = self.norm_cls(c.head_dim, c.rms_norm_eps, dtype=dtype)
 
     def __call__(self, x, cos, sin, attn: AttentionFn, kv, layer, window=()):
         """x[B,T,E], cos/sin[B,T,D], layer i32[] -> (y[B,T,E], kv). ``window`` (static): the

@@ -396,3 +396,28 @@ def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(path)
     return path, model
+
+
+def research_greedy(dec, params, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Each prompt's first ``num_tokens`` tokens through a `PagedDecoder` under one jit: its
+    ``prefill``, then ``decode_step`` in a ``lax.scan`` (the research API as a user calls it).
+    ``params``: the `SamplingParams` for ``dec.init``."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    padded = np.zeros((len(prompts), dec.max_len), np.int32)
+    for r, p in enumerate(prompts):
+        padded[r, : len(p)] = p
+    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(dec, weights, state, tokens, lens):
+        state, first = dec.prefill(weights, state, tokens, lens)
+        step = lambda s, _: dec.decode_step(weights, s)  # noqa: E731
+        state, toks = jax.lax.scan(step, state, None, length=num_tokens - 1)
+        return first, toks
+
+    first, toks = run(dec, dec.params, dec.init(params), jnp.asarray(padded), lens)
+    return np.concatenate([np.asarray(first)[None], np.asarray(toks)]).T.tolist()

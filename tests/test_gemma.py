@@ -18,15 +18,20 @@ with each layer's own ``sliding_window``.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TinySpec, build_tiny_hf_model, hf_greedy, hf_logits, right_pad
+from conftest import (
+    TinySpec,
+    build_tiny_hf_model,
+    hf_greedy,
+    hf_logits,
+    research_greedy,
+    right_pad,
+)
 from flax import nnx
 
 import models
@@ -289,20 +294,7 @@ def test_paged_decoder_matches_hf(tiny):
     hf, _, lm = tiny("gemma3_gqa4")
     prompts = _prompts(seed=4)
     ref = [hf_greedy(hf, p, NEW_TOKENS, eos=False) for p in prompts]
-    b, max_len = len(prompts), 64
-    dec = PagedDecoder(lm.model, max_seqs=b, max_len=max_len, block_size=8)
-    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    dec = PagedDecoder(lm.model, max_seqs=len(prompts), max_len=64, block_size=8)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=NEW_TOKENS)
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def run(dec, params, state, prompts, lens):
-        state, first = dec.prefill(params, state, prompts, lens)
-        step = lambda s, _: dec.decode_step(params, s)  # noqa: E731
-        state, toks = jax.lax.scan(step, state, None, length=NEW_TOKENS - 1)
-        return first, toks
-
-    padded = jnp.asarray(right_pad(prompts))
-    padded = jnp.pad(padded, ((0, 0), (0, max_len - padded.shape[1])))
-    first, toks = run(dec, dec.params, dec.init(greedy), padded, lens)
-    got = np.concatenate([np.asarray(first)[None], np.asarray(toks)]).T.tolist()
+    got = research_greedy(dec, greedy, prompts, NEW_TOKENS)
     assert got == ref

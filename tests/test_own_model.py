@@ -5,14 +5,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import research_greedy
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -79,22 +78,8 @@ def test_llm_stops_at_eos(model, prompts_and_expected):
 
 def test_paged_decoder_equals_dense(model, prompts_and_expected):
     prompts, expected = prompts_and_expected
-    b, max_len = len(prompts), 48
-    dec = PagedDecoder(model, max_seqs=b, max_len=max_len, block_size=8)
-    padded = np.zeros((b, max_len), np.int32)
-    for r, p in enumerate(prompts):
-        padded[r, : len(p)] = p
-    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def run(dec, params, state, prompts, lens):
-        state, first = dec.prefill(params, state, prompts, lens)
-        step = lambda s, _: dec.decode_step(params, s)  # noqa: E731
-        state, toks = jax.lax.scan(step, state, None, length=MAX_TOKENS - 1)
-        return first, toks
-
-    first, toks = run(dec, dec.params, dec.init(GREEDY), jnp.asarray(padded), lens)
-    got = np.concatenate([np.asarray(first)[None], np.asarray(toks)]).T.tolist()
+    dec = PagedDecoder(model, max_seqs=len(prompts), max_len=48, block_size=8)
+    got = research_greedy(dec, GREEDY, prompts, MAX_TOKENS)
     assert got == expected
 
 
