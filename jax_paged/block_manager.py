@@ -45,10 +45,13 @@ short, just enough of the least recently freed cached blocks are first evicted o
 Prefix cache: a full block's key is a 32-bit hash of its tokens chained with its parent's key
 (`prefix_cache.block_hashes`), stored in a direct-mapped table of `hash_table_size` buckets.
 The hash only finds a candidate: a match also checks the block's stored tokens and that its
-stored parent is the block matched one position earlier, so by induction the whole prefix is
-equal token for token and a hash or bucket collision can only cost a miss, never give a
-request another request's K/V. (Parents outlive their cached children: a block's refcount is
-never below its cached child's, and within one `free` deeper logical blocks are queued first.)
+stored parent is the block matched one position earlier, in the incarnation it extended
+(`block_gen` / `parent_gen`), so by induction the whole prefix is equal token for token and a
+hash or bucket collision can only cost a miss, never give a request another request's K/V.
+(Within one `free`, deeper logical blocks are queued for eviction first, so parents usually
+outlive their cached children. A sliding window, `drop_out_of_window`, frees a sequence's
+oldest blocks first; a child whose parent was then evicted and cached again for another
+prefix no longer matches.)
 
 Costs: reserve, token_slots, free, fork, match and insert are O(S * P) (plus O(M * P * bs)
 token compares for match/insert). Eviction pops the queue in windows of `evict_chunk` entries,
@@ -60,6 +63,7 @@ through a `scan`).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -91,6 +95,10 @@ class BlockManagerState:
       block_chain: u32[N] its chain value before the final mix (`prefix_cache.chain_values`),
         from which the keys of the blocks after it continue as they fill.
       block_parent: i32[N] physical block before a cached block in its sequence (0 for roots).
+      block_gen: i32[N] how many times each block has been cached (its incarnation).
+      parent_gen: i32[N] the parent's ``block_gen`` when a cached block was cached: a block
+        extends its parent only while these agree (the parent may be evicted first and its id
+        cached again for another prefix; see the module docstring).
       block_tokens: i32[N, bs] token ids of a cached block (verified on every match).
       evict_queue: i32[C] ring (C = 2N) of evictable blocks, least recently freed first, from
         `queue_head` for `queue_len` entries; stale entries (block revived, re-queued or
@@ -115,6 +123,8 @@ class BlockManagerState:
     block_hash: jax.Array
     block_chain: jax.Array
     block_parent: jax.Array
+    block_gen: jax.Array
+    parent_gen: jax.Array
     block_tokens: jax.Array
     evict_queue: jax.Array
     queue_pos: jax.Array
@@ -187,6 +197,8 @@ def init_state(
         block_hash=jnp.zeros(n, jnp.uint32),
         block_chain=jnp.zeros(n, jnp.uint32),
         block_parent=jnp.zeros(n, jnp.int32),
+        block_gen=jnp.zeros(n, jnp.int32),
+        parent_gen=jnp.zeros(n, jnp.int32),
         block_tokens=jnp.zeros((n, block_size), jnp.int32),
         evict_queue=jnp.zeros(2 * n, jnp.int32),
         queue_pos=jnp.zeros(n, jnp.int32),
@@ -339,6 +351,39 @@ def token_slots(state: BlockManagerState, seq_idx: jax.Array, positions: jax.Arr
 # Free and fork.
 
 
+def _release(state: BlockManagerState, ent: jax.Array, blk: jax.Array) -> BlockManagerState:
+    """Drops one reference for each entry of the flat ``blk`` (i32[E]) where ``ent`` (bool[E]),
+    listed in release order. Blocks whose refcount reaches 0 go onto the free stack, or, if
+    cached, to the eviction queue's tail, in that order. Block tables are left to the caller."""
+    n = state.num_blocks
+    rc = state.ref_counts.at[jnp.where(ent, blk, n)].add(-1, mode="drop")
+    zero = ent & (rc[blk] == 0)
+    e = jnp.arange(blk.shape[0], dtype=jnp.int32)
+    qpos, first = first_occurrence(state.queue_pos, blk, zero, e, n)
+    was_cached = state.cached[blk]
+    push = first & ~was_cached
+    ev = first & was_cached
+    stack = state.free_stack.at[jnp.where(push, state.num_free + _excl_cumsum(push), n)].set(
+        blk, mode="drop"
+    )
+    n_push = push.sum(dtype=jnp.int32)
+    n_ev = ev.sum(dtype=jnp.int32)
+    # Queue the newly evictable blocks at the ring's tail (compacting first if it is full).
+    c = state.evict_queue.shape[0]
+    state = state.replace(queue_pos=qpos)
+    state = jax.lax.cond(state.queue_len + n_ev > c, compact_queue, lambda st: st, state)
+    tail = (state.queue_head + state.queue_len + _excl_cumsum(ev)) % c
+    return state.replace(
+        evict_queue=state.evict_queue.at[jnp.where(ev, tail, c)].set(blk, mode="drop"),
+        queue_pos=state.queue_pos.at[jnp.where(ev, blk, n)].set(tail, mode="drop"),
+        queue_len=state.queue_len + n_ev,
+        ref_counts=rc,
+        free_stack=stack,
+        num_free=state.num_free + n_push,
+        num_evictable=state.num_evictable + n_ev,
+    )
+
+
 @jax.jit
 def free(state: BlockManagerState, mask: jax.Array) -> BlockManagerState:
     """Ends the sequences of the live slots in `mask` (bool[S]); other slots are untouched.
@@ -348,46 +393,62 @@ def free(state: BlockManagerState, mask: jax.Array) -> BlockManagerState:
     uncached blocks come back out in table order, and cached blocks deeper in a sequence are
     evicted before the blocks they extend (so a cached block's parent outlives it).
     """
-    s, p = state.block_tables.shape
-    n = state.num_blocks
-    bs = state.block_size
+    p = state.max_blocks_per_seq
     m = jnp.asarray(mask, bool) & state.live
     bt = state.block_tables
     j = jnp.arange(p, dtype=jnp.int32)[None, :]
-    ent = m[:, None] & (j < _cdiv(state.seq_lens, bs)[:, None])
-    rc = state.ref_counts.at[jnp.where(ent, bt, n)].add(-1, mode="drop")
-    zero = ent & (rc[bt] == 0)
-    # Entries in release order: logical block descending, then slot ascending. Deeper blocks
-    # first, so a cached child is always queued before its parent (evicted first).
-    zero_r, bt_r = zero.T[::-1].reshape(-1), bt.T[::-1].reshape(-1)
-    e = jnp.arange(s * p, dtype=jnp.int32)
-    qpos, first = first_occurrence(state.queue_pos, bt_r, zero_r, e, n)
-    was_cached = state.cached[bt_r]
-    push = first & ~was_cached
-    ev = first & was_cached
-    stack = state.free_stack.at[jnp.where(push, state.num_free + _excl_cumsum(push), n)].set(
-        bt_r, mode="drop"
-    )
-    n_push = push.sum(dtype=jnp.int32)
-    n_ev = ev.sum(dtype=jnp.int32)
-    # Queue the newly evictable blocks at the ring's tail (compacting first if it is full).
-    c = state.evict_queue.shape[0]
-    state = state.replace(queue_pos=qpos)
-    state = jax.lax.cond(state.queue_len + n_ev > c, compact_queue, lambda st: st, state)
-    tail = (state.queue_head + state.queue_len + _excl_cumsum(ev)) % c
-    state = state.replace(
-        evict_queue=state.evict_queue.at[jnp.where(ev, tail, c)].set(bt_r, mode="drop"),
-        queue_pos=state.queue_pos.at[jnp.where(ev, bt_r, n)].set(tail, mode="drop"),
-        queue_len=state.queue_len + n_ev,
-    )
+    # Entries a sliding window dropped (`drop_out_of_window`) hold the null block: skipped.
+    ent = m[:, None] & (j < _cdiv(state.seq_lens, state.block_size)[:, None]) & (bt != NULL_BLOCK)
+    # Release order: logical block descending, then slot ascending. Deeper blocks first, so a
+    # cached child is always queued before its parent (evicted first).
+    state = _release(state, ent.T[::-1].reshape(-1), bt.T[::-1].reshape(-1))
     return state.replace(
         block_tables=jnp.where(m[:, None], 0, bt),
         seq_lens=jnp.where(m, 0, state.seq_lens),
         live=state.live & ~m,
-        ref_counts=rc,
-        free_stack=stack,
-        num_free=state.num_free + n_push,
-        num_evictable=state.num_evictable + n_ev,
+    )
+
+
+def window_dead_blocks(seq_lens: jax.Array, block_size: int, window: int) -> jax.Array:
+    """i32[S]: how many leading blocks of sequences of ``seq_lens`` tokens a sliding
+    ``window`` no longer needs (`drop_out_of_window`); works on numpy arrays and ints too.
+
+    The next query sits at position ``seq_lens`` or later and sees keys after
+    ``seq_lens - window``, so block j is dead once ``(j + 1) * bs <= seq_lens - window + 1``.
+    The last two blocks are always kept: the prefix cache keys each block as it fills from the
+    chain value of the block before it."""
+    xp = jnp if isinstance(seq_lens, jax.Array) else np
+    nb = (seq_lens + block_size - 1) // block_size
+    return xp.maximum(xp.minimum(nb - 2, (seq_lens - window + 1) // block_size), 0)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "band"))
+def drop_out_of_window(
+    state: BlockManagerState, window: int, band: int | None = None
+) -> BlockManagerState:
+    """Returns to the pool the blocks of live sequences that fell out of a sliding ``window``
+    (static; every layer attends through the same one), leaving the null block in their
+    table entries: entries ``[0, window_dead_blocks(seq_lens))`` of every live slot.
+
+    Blocks whose refcount reaches 0 go onto the free stack, or, if cached, become evictable, in
+    the order (slot ascending, then logical block descending). ``band`` (static): look only at
+    the last ``band`` dead entries of each slot, O(S * band) instead of O(S * P); right when the
+    earlier ones were dropped before (a decode step adds at most one dead block per slot).
+    """
+    p = state.max_blocks_per_seq
+    hi = window_dead_blocks(state.seq_lens, state.block_size, window)  # [S]
+    k = p if band is None else min(band, p)
+    if band is None:
+        j = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], state.block_tables.shape)
+    else:
+        j = hi[:, None] - k + jnp.arange(k, dtype=jnp.int32)[None, :]  # [S, k]
+    rows = jnp.arange(state.max_seqs)[:, None]
+    blk = state.block_tables[rows, jnp.clip(j, 0, p - 1)]
+    ent = state.live[:, None] & (j >= 0) & (j < hi[:, None]) & (blk != NULL_BLOCK)
+    state = _release(state, ent[:, ::-1].reshape(-1), blk[:, ::-1].reshape(-1))
+    s = state.max_seqs
+    return state.replace(
+        block_tables=state.block_tables.at[jnp.where(ent, rows, s), j].set(NULL_BLOCK, mode="drop")
     )
 
 
@@ -415,7 +476,7 @@ def fork(
     rows = state.block_tables[pc]
     lens = state.seq_lens[pc]
     j = jnp.arange(p, dtype=jnp.int32)[None, :]
-    ent = ok[:, None] & (j < _cdiv(lens, state.block_size)[:, None])
+    ent = ok[:, None] & (j < _cdiv(lens, state.block_size)[:, None]) & (rows != NULL_BLOCK)
     dst = jnp.where(ok, cc, s)
     return (
         state.replace(
@@ -432,8 +493,11 @@ def fork(
 # Host-side checks.
 
 
-def check_invariants(state: BlockManagerState) -> None:
-    """Asserts the state's invariants on the host (numpy); for tests and debugging."""
+def check_invariants(state: BlockManagerState, window_drops: bool = False) -> None:
+    """Asserts the state's invariants on the host (numpy); for tests and debugging.
+
+    ``window_drops``: `drop_out_of_window` may have run, which frees parents before their
+    cached children, so the parent-outlives-child properties are not asserted."""
     st = jax.device_get(state)
     bt = np.asarray(st.block_tables)
     lens = np.asarray(st.seq_lens)
@@ -449,9 +513,14 @@ def check_invariants(state: BlockManagerState) -> None:
     assert (nb <= p).all(), "sequence longer than its block table"
     assert (lens[~live] == 0).all() and (bt[~live] == 0).all(), "free slot holds blocks"
     used = np.arange(p)[None, :] < nb[:, None]
-    assert (bt[used] != NULL_BLOCK).all(), "null block in use"
     assert (bt[~used] == NULL_BLOCK).all(), "stale block-table entry"
-    counts = np.bincount(bt[used], minlength=n)
+    # Within a sequence's blocks the null block may only lead (blocks a sliding window
+    # dropped, `drop_out_of_window`), and never covers the last two.
+    held = used & (bt != NULL_BLOCK)
+    lead = used & (np.cumsum(held, axis=1) == 0)
+    assert ((used & ~held) == lead).all(), "null block inside a sequence"
+    assert (lead.sum(1) <= np.maximum(nb - 2, 0)).all(), "null block among the last two"
+    counts = np.bincount(bt[held], minlength=n)
     assert (counts == rc).all(), "refcount != block-table references"
     for row in bt:
         r = row[row != 0]
@@ -470,12 +539,18 @@ def check_invariants(state: BlockManagerState) -> None:
     hsize = table.shape[0]
     hashes = np.asarray(st.block_hash)
     parent = np.asarray(st.block_parent)
+    gen, pgen = np.asarray(st.block_gen), np.asarray(st.parent_gen)
     order = {b: i for i, b in enumerate(eviction_order(st))}
     assert sorted(order) == np.flatnonzero(evictable).tolist(), "eviction queue != evictable"
     for b in np.flatnonzero(cached):
         assert table[hashes[b] & (hsize - 1)] == b, "cached block not in its bucket"
+        assert gen[b] >= 1, "cached block not counted in block_gen"
+        # A parent freed before its child (sliding-window drops) may have been evicted, or
+        # evicted and cached again (a new incarnation): the child then matches nothing.
         pb = parent[b]
-        assert pb == 0 or cached[pb], "cached block's parent not cached"
-        if pb and evictable[b] and evictable[pb]:
-            assert order[b] < order[pb], "parent would be evicted before its child"
+        assert pb == 0 or pgen[b] <= gen[pb], "parent_gen ahead of the parent's block_gen"
+        if not window_drops:  # then parents outlive their cached children
+            assert pb == 0 or (cached[pb] and pgen[b] == gen[pb]), "cached block's parent gone"
+            if pb and evictable[b] and evictable[pb]:
+                assert order[b] < order[pb], "parent would be evicted before its child"
     assert np.count_nonzero(table) == cached.sum(), "stale hash-table entry"

@@ -78,6 +78,7 @@ class LLMEngine:
             block_size=bs,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            window=self.runner.opts.drop_window,
         )
         self.metrics = EngineMetrics()
         self.caching = config.enable_prefix_caching
@@ -122,6 +123,8 @@ class LLMEngine:
             max_n=self.config.max_n,
             block_size=self.config.block_size,
             usable_blocks=self.num_blocks - 1,
+            window=self.scheduler.window,
+            chunk=self.max_num_batched_tokens,
         )
         req = self.output.new_request(request_id, text, ids, params, max_tokens, self._seq_ids)
         self.ops.add_request(req, self.scheduler)

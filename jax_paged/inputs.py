@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from jax_paged.sampling_params import SamplingParams
+from jax_paged.scheduler import max_blocks_held
 
 
 def parse_prompt(prompt, tokenizer) -> tuple[str | None, list[int]]:
@@ -67,12 +68,16 @@ def check_request(
     max_n: int | None = None,
     block_size: int | None = None,
     usable_blocks: int | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
 ) -> int:
     """The checks of one request that need the engine's sizes. Raises ValueError naming the
     field. Returns the request's max_tokens (None means until max_model_len, as in vLLM).
 
     With ``max_n``, ``n`` (and ``best_of``) must not exceed it; with ``block_size`` and
-    ``usable_blocks`` (the KV pool less the null block) the longest sequence must fit the pool.
+    ``usable_blocks`` (the KV pool less the null block) the longest sequence must fit the pool:
+    all its blocks, or with a sliding ``window`` in every layer (whose dead blocks the steps
+    drop) the most it holds at once, growing ``chunk`` tokens a step (`max_blocks_held`).
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -105,7 +110,7 @@ def check_request(
     max_tokens = params.max_tokens or max_model_len - len(ids)
     if block_size is not None and usable_blocks is not None:
         longest = min(len(ids) + max_tokens, max_model_len)
-        need = -(-longest // block_size)
+        need = max_blocks_held(longest, block_size, window, chunk or longest)
         if need > usable_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks ({longest} tokens) but the cache holds "

@@ -85,6 +85,9 @@ class ModelRunner:
         self.opts = runner.AttentionOptions(
             scale=mc.scale,
             sliding_window=mc.sliding_window,
+            # One window in every layer (Mistral): blocks out of it go back to the pool. Models
+            # mixing windowed and full layers keep every block (docs/DESIGN.md).
+            drop_window=mc.sliding_window,
             impl=config.attention_impl,
             interpret=config.attention_interpret,
         )

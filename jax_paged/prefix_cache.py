@@ -4,9 +4,10 @@ parent's key, looked up and matched by new prompts, inserted as sequences fill b
 Keys: a full block's key is a 32-bit hash of its tokens chained with its parent's key
 (`block_hashes`), stored in the block manager's direct-mapped table (`hash_table`). The hash
 only finds a candidate; a match also checks the block's stored tokens and that its stored
-parent is the block matched one position earlier (see `block_manager`'s docstring), so a
-collision can only cost a miss. Cached blocks that no sequence holds are evictable: the block
-manager's `reserve` evicts them least recently freed first when the free stack runs dry.
+parent, in the incarnation it extended, is the block matched one position earlier (see
+`block_manager`'s docstring), so a collision can only cost a miss. Cached blocks that no
+sequence holds are evictable: the block manager's `reserve` evicts them least recently freed
+first when the free stack runs dry.
 
 All ops are pure and jittable, ``op(state, ...) -> (state, results...)`` on a
 `block_manager.BlockManagerState`, O(M * P * bs) for M prompts.
@@ -87,6 +88,7 @@ def lookup_blocks(state: BlockManagerState, tokens, num_tokens) -> tuple[jax.Arr
     same = (state.block_tokens[cand] == tokens[:, : k * bs].reshape(mm, k, bs)).all(-1)
     good = (cand != NULL_BLOCK) & state.cached[cand] & (state.block_hash[cand] == keys)
     good &= same & (state.block_parent[cand] == prev)
+    good &= state.parent_gen[cand] == state.block_gen[prev]  # the parent's same incarnation
     good &= j < jnp.clip((num_tokens - 1) // bs, 0, k)[:, None]
     return cand, jnp.cumprod(good, axis=1).sum(1, dtype=jnp.int32)
 
@@ -188,8 +190,9 @@ def cache_full_blocks(
     ok = (slots >= 0) & (slots < s) & state.live[sc]
     nfull = jnp.minimum(num_tokens, state.seq_lens[sc]) // bs
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
-    ent = ok[:, None] & (j < nfull[:, None])
     blocks = state.block_tables[sc, :k]
+    # A chain stops at a null entry (blocks a sliding window dropped lead the table).
+    ent = ok[:, None] & (j < nfull[:, None]) & (jnp.cumprod(blocks != NULL_BLOCK, axis=1) > 0)
     parents = jnp.concatenate([jnp.zeros((mm, 1), jnp.int32), blocks[:, :-1]], axis=1)
     toks = tokens[:, : k * bs].reshape(mm, k, bs)
     chains = chain_values(block_digests(tokens[:, : k * bs], bs))
@@ -249,7 +252,12 @@ def _insert(state: BlockManagerState, blocks, parents, toks, chains, ent) -> Blo
     revert = won & ~cached[blocks]
     table = table.at[jnp.where(revert, bucket, hsize)].set(0, mode="drop")
     cidx = jnp.where(commit, blocks, n)
+    # A new incarnation for each committed block (set, not add: a block shared by several rows
+    # commits once), then each records its parent's, its parent possibly committed just now.
+    gen = state.block_gen.at[cidx].set(state.block_gen[blocks] + 1, mode="drop")
     return state.replace(
+        block_gen=gen,
+        parent_gen=state.parent_gen.at[cidx].set(gen[parents], mode="drop"),
         cached=cached,
         hash_table=table,
         block_hash=state.block_hash.at[cidx].set(keys, mode="drop"),

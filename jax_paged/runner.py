@@ -103,13 +103,19 @@ class MixedBatch:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
-    """Static attention settings handed to `pallas_kernels.paged_attention`."""
+    """Static attention settings handed to `pallas_kernels.paged_attention`.
+
+    ``drop_window``: when every layer attends through this one sliding window, the steps
+    return the blocks that fell out of it to the pool (`block_manager.drop_out_of_window`), so
+    a sequence holds about ``window / block_size + 2`` blocks however long it grows.
+    """
 
     scale: float
     sliding_window: int | None = None
     soft_cap: float | None = None
     impl: str = "auto"
     interpret: bool = False
+    drop_window: int | None = None
 
 
 def _gather_rows(tree, idx):
@@ -243,6 +249,8 @@ def mixed_step(
     tokens, blocks = _cache_filled(
         state.tokens, blocks, freed, tok_slot, batch.positions, batch.tokens, written, t // bs + 1
     )
+    if opts.drop_window is not None:  # all of them: a prefix-cache hit may bring many
+        blocks = bm.drop_out_of_window(blocks, opts.drop_window)
     new_state = state.replace(kv=kv, blocks=blocks, sampling=samp, tokens=tokens)
     return new_state, StepOutput(
         tokens=out.tokens,
@@ -317,6 +325,8 @@ def decode_step(
     tokens, blocks = _cache_filled(
         state.tokens, blocks, state.blocks, row_slot, positions, last_tokens, ok, 1
     )
+    if opts.drop_window is not None:  # one token more: at most one more block out of it
+        blocks = bm.drop_out_of_window(blocks, opts.drop_window, band=1)
     return state.replace(kv=kv, blocks=blocks, sampling=samp, tokens=tokens), out, ok
 
 

@@ -37,6 +37,8 @@ import enum
 from collections import deque
 from typing import Any
 
+from jax_paged.block_manager import window_dead_blocks
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -143,6 +145,17 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def max_blocks_held(num_tokens: int, block_size: int, window: int | None, chunk: int) -> int:
+    """The most blocks a sequence growing to ``num_tokens`` in steps of at most ``chunk``
+    tokens holds at once (copy-on-write aside): all of them without a window; with one, the
+    blocks that can still be seen (`window_dead_blocks`) plus the step's new ones, at most
+    ``ceil((window + chunk) / bs) + 3``."""
+    whole = blocks_for(num_tokens, block_size)
+    if window is None:
+        return whole
+    return min(whole, blocks_for(window + min(chunk, num_tokens), block_size) + 3)
+
+
 class Scheduler:
     """FCFS continuous batching with chunked prefill and preemption by recompute.
 
@@ -151,10 +164,19 @@ class Scheduler:
       block_size: tokens per block.
       max_num_seqs: cap on running sequences (the device block table has this many rows).
       max_num_batched_tokens: token budget of one step.
+      window: the sliding window through which every layer attends, if any: the device drops
+        the blocks that fall out of it after each step, so a sequence holds fewer blocks than
+        its table has entries (`held_blocks`).
     """
 
     def __init__(
-        self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        window: int | None = None,
     ):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -162,6 +184,7 @@ class Scheduler:
                 "sequence can decode in one step"
             )
         self.block_size = block_size
+        self.window = window
         self.num_blocks = num_blocks
         self.num_free_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
@@ -188,8 +211,16 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def held_blocks(self, seq: Sequence) -> int:
+        """Blocks the device holds for ``seq``: its table entries, less those a sliding window
+        dropped (`block_manager.window_dead_blocks`)."""
+        if self.window is None:
+            return seq.num_blocks
+        dead = int(window_dead_blocks(seq.num_computed, self.block_size, self.window))
+        return seq.num_blocks - min(dead, seq.num_blocks)
+
     def _release(self, seq: Sequence) -> None:
-        self.num_free_blocks += seq.num_blocks
+        self.num_free_blocks += self.held_blocks(seq)
         seq.num_blocks = 0
         self.free_slots.append(seq.slot)
         seq.slot = None

@@ -49,7 +49,9 @@ class RefBlockManager:
         self.live = [False] * max_seqs
         self.rc = [0] * num_blocks
         self.stack = list(range(num_blocks - 1, 0, -1))  # last element = top
-        self.cache: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block -> key, parent, toks
+        # block -> key, parent, toks, the parent's incarnation (gen) when it was cached
+        self.cache: dict[int, tuple[int, int, tuple[int, ...], int]] = {}
+        self.gen = [0] * num_blocks  # times each block was cached
         self.buckets: dict[int, int] = {}  # bucket -> block
         self.evictable: dict[int, None] = {}  # cached blocks with refcount 0, oldest first
 
@@ -130,11 +132,29 @@ class RefBlockManager:
         released = []  # logical block descending, then slot ascending
         for j in range(self.p - 1, -1, -1):
             for s in freed:
-                if j < len(self.tables[s]):
+                if j < len(self.tables[s]) and self.tables[s][j]:  # 0: dropped by a window
                     self.rc[self.tables[s][j]] -= 1
                     released.append(self.tables[s][j])
         for s in freed:
             self.tables[s], self.lens[s], self.live[s] = [], 0, False
+        self._put_back(released)
+
+    def drop_out_of_window(self, window):
+        released = []  # slot ascending, then logical block descending
+        for s in range(self.s):
+            if not self.live[s]:
+                continue
+            nb = cdiv(self.lens[s], self.bs)
+            hi = max(0, min(nb - 2, (self.lens[s] - window + 1) // self.bs))
+            for j in range(hi - 1, -1, -1):
+                b = self.tables[s][j]
+                if b:
+                    self.rc[b] -= 1
+                    released.append(b)
+                    self.tables[s][j] = 0
+        self._put_back(released)
+
+    def _put_back(self, released):
         seen = set()
         for b in released:
             if self.rc[b] == 0 and b not in seen:
@@ -161,7 +181,8 @@ class RefBlockManager:
             if g:
                 self.tables[c], self.lens[c], self.live[c] = list(sn[0]), sn[1], True
                 for b in sn[0]:
-                    self.rc[b] += 1
+                    if b:
+                        self.rc[b] += 1
         return ok
 
     # -- prefix cache ---------------------------------------------------------------------------
@@ -181,7 +202,7 @@ class RefBlockManager:
                 b = self.buckets.get(keys[j] & (self.hsize - 1), 0)
                 entry = self.cache.get(b)
                 blk_toks = tuple(toks[j * bs : (j + 1) * bs])
-                if entry is None or entry != (keys[j], prev, blk_toks):
+                if entry is None or entry != (keys[j], prev, blk_toks, self.gen[prev]):
                     break
                 matched.append(b)
                 prev = b
@@ -209,6 +230,8 @@ class RefBlockManager:
             entries = []
             for j in range(nfull):
                 b = self.tables[slot][j]
+                if b == 0:  # dropped by a sliding window: the chain stops
+                    break
                 bucket = keys[j] & (self.hsize - 1)
                 already = b in self.cache
                 claim = not already and bucket not in self.buckets
@@ -227,8 +250,10 @@ class RefBlockManager:
                 chain = chain and (already or won)
                 if won and chain:
                     commits[b] = (key, parent, tuple(toks[j * bs : (j + 1) * bs]), bucket)
-        for bucket, b in winners:
-            if b in commits:
-                key, parent, blk_toks, _ = commits[b]
-                self.cache[b] = (key, parent, blk_toks)
-                self.buckets[bucket] = b
+        committed = [(bucket, b) for bucket, b in winners if b in commits]
+        for _, b in committed:
+            self.gen[b] += 1
+        for bucket, b in committed:
+            key, parent, blk_toks, _ = commits[b]
+            self.cache[b] = (key, parent, blk_toks, self.gen[parent])
+            self.buckets[bucket] = b

@@ -49,9 +49,11 @@ def _snapshot(st):
                 int(st.block_hash[b]),
                 int(st.block_parent[b]),
                 tuple(np.asarray(st.block_tokens[b]).tolist()),
+                int(st.parent_gen[b]),
             )
             for b in cached
         },
+        gen=np.asarray(st.block_gen).tolist(),
         buckets={int(i): int(table[i]) for i in np.flatnonzero(table)},
         evictable=eviction.eviction_order(st),
     )
@@ -65,13 +67,14 @@ def _ref_snapshot(ref: RefBlockManager):
         rc=ref.rc,
         stack=ref.stack,
         cache=ref.cache,
+        gen=ref.gen,
         buckets=ref.buckets,
         evictable=list(ref.evictable),
     )
 
 
 class Harness:
-    def __init__(self, seed, n, bs, s, p, hsize, chunk, vocab):
+    def __init__(self, seed, n, bs, s, p, hsize, chunk, vocab, windows=False):
         self.rng = np.random.default_rng(seed)
         self.n, self.bs, self.s, self.p, self.vocab = n, bs, s, p, vocab
         self.width = p * bs
@@ -90,6 +93,8 @@ class Harness:
         self.fork = jax.jit(bm.fork)
         self.match = jax.jit(pc.match_prefix)
         self.insert = jax.jit(pc.cache_full_blocks)
+        self.drop = jax.jit(bm.drop_out_of_window, static_argnums=1)
+        self.windows = windows  # op_drop runs: sliding-window drops free parents first
         self.t = t
         self.counts: dict[str, int] = {}
 
@@ -230,26 +235,39 @@ class Harness:
         self.state = self.insert(self.state, slots, toks, nt)
         self.ref.cache_full_blocks(slots.tolist(), [list(t) for t in toks], nt.tolist())
 
+    def op_drop(self):
+        window = int(self.rng.integers(1, 3 * self.bs + 1))
+        before = sum(self.ref.rc)
+        self.state = self.drop(self.state, window)
+        self.ref.drop_out_of_window(window)
+        self.counts["dropped"] = self.counts.get("dropped", 0) + before - sum(self.ref.rc)
+
     # -- checks ---------------------------------------------------------------------------------
     def check(self):
         host = jax.device_get(self.state)
         got, want = _snapshot(host), _ref_snapshot(self.ref)
         for key in want:
             assert got[key] == want[key], (key, got[key], want[key])
-        bm.check_invariants(host)
+        bm.check_invariants(host, window_drops=self.windows)
         bs = self.bs
         for s in range(self.s):
             assert self.ref.lens[s] == len(self.truth[s])
             for p in range(self.ref.lens[s]):
                 slot = self.ref.token_slot(s, p)
+                if slot < bs:  # a block a window dropped
+                    continue
                 assert self.kv.get(slot) == tuple(self.truth[s][: p + 1]), (s, p, slot)
-        for b, (key, parent, toks) in self.ref.cache.items():  # cached K/V is what it claims
+        cache, gen = self.ref.cache, self.ref.gen
+        for b, (key, parent, toks, _) in cache.items():  # cached K/V is what it claims
             pre = tuple(toks)
-            chain = [b]
-            while parent:
+            chain, pgen = [b], cache[b][3]
+            while parent and parent in cache and gen[parent] == pgen:
                 chain.append(parent)
-                pre = tuple(self.ref.cache[parent][2]) + pre
-                parent = self.ref.cache[parent][1]
+                pre = tuple(cache[parent][2]) + pre
+                parent, pgen = cache[parent][1], cache[parent][3]
+            if parent:  # a parent evicted first (windows only): unreachable, not checked
+                assert self.windows
+                continue
             assert key == _last_key(pre, bs)
             for o in range(bs):
                 assert self.kv.get(b * bs + o) == pre[: len(pre) - bs + o + 1]
@@ -261,7 +279,7 @@ class Harness:
             (self.op_fork, 0.10),
             (self.op_match, 0.16),
             (self.op_insert, 0.17),
-        ]
+        ] + ([(self.op_drop, 0.08)] if self.windows else [])
         fns, w = zip(*ops, strict=True)
         w = np.asarray(w) / sum(w)
         for _ in range(steps):
@@ -278,8 +296,12 @@ CONFIGS = {
     "bs2_tight": (1, 10, 2, 4, 8, 8, 1, 2),
     "bs1": (2, 20, 1, 5, 12, 16, 4, 2),
     "bs8_roomy": (3, 48, 8, 6, 5, 128, 256, 4),
+    # with sliding-window drops
+    "bs4_window": (4, 24, 4, 6, 8, 32, 3, 3, True),
+    "bs2_window": (5, 16, 2, 4, 10, 16, 2, 2, True),
 }
 STEPS = {"bs4": 3500, "bs2_tight": 2500, "bs1": 2000, "bs8_roomy": 2000}  # 10,000 in all
+STEPS |= {"bs4_window": 2000, "bs2_window": 2000}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -291,3 +313,5 @@ def test_random_ops_match_reference(name):
     assert counts.get("refused", 0) > 0, counts
     assert counts.get("cow", 0) > 0 or CONFIGS[name][2] == 1, counts  # bs 1: no partial blocks
     assert counts["op_fork"] > 50 and counts["op_match"] > 50
+    if h.windows:
+        assert counts.get("dropped", 0) > 50, counts

@@ -42,7 +42,7 @@ def _assert_pool_empty(llm):
     """Every block is back in the pool and the device state is consistent."""
     engine = llm.engine
     state = engine.state.blocks
-    bm.check_invariants(state)
+    bm.check_invariants(state, window_drops=engine.runner.opts.drop_window is not None)
     assert int(bm.num_free_blocks(state)) == engine.num_blocks - 1
     assert not bool(np.asarray(state.live).any())
     assert engine.scheduler.num_free_blocks == engine.num_blocks - 1
