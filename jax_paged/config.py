@@ -36,6 +36,9 @@ class EngineConfig:
         used first when the pool needs them).
       max_n: the most sequences one request may ask for (``SamplingParams.n``, and the beam
         width of `LLM.beam_search`); larger requests are rejected.
+      tensor_parallel_size: devices the model and its KV cache are split over
+        (`jax_paged.sharding`: attention heads, MLP width and KV heads); the pool sizes
+        (``kv_cache_memory_bytes``, ``gpu_memory_utilization``) are then per device.
     """
 
     block_size: int = 16
@@ -52,6 +55,7 @@ class EngineConfig:
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
     max_n: int = 256
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         def positive(name):
@@ -68,6 +72,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_decode_steps",
             "max_n",
+            "tensor_parallel_size",
         ):
             positive(name)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -96,11 +101,13 @@ def _host_memory_bytes() -> int:
 
 def size_kv_pool(c: EngineConfig, mc, dtype, params) -> int:
     """KV pool size in blocks (null block included) from the config, or the device's memory;
-    MemoryError when the weights and that pool do not fit."""
+    MemoryError when the weights and that pool do not fit. With tensor parallelism every
+    figure is one device's: its KV heads' share of a block, about its share of the weights."""
+    tp = c.tensor_parallel_size
     per_block = kvc.bytes_per_block(
-        mc.num_layers, mc.num_kv_heads, mc.head_dim, c.block_size, dtype
+        mc.num_layers, mc.num_kv_heads // tp, mc.head_dim, c.block_size, dtype
     )
-    weights = _param_bytes(params)
+    weights = _param_bytes(params) // tp
     device = jax.devices()[0]
     if c.num_kv_blocks is not None:
         n = c.num_kv_blocks

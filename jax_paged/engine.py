@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jax_paged import inputs
+from jax_paged import sharding as shard
 from jax_paged.block_ops import BlockOpQueue
 from jax_paged.config import EngineConfig, size_kv_pool
 from jax_paged.metrics import EngineMetrics
@@ -54,7 +55,12 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         check_model(loaded.model)  # names what a user-written model lacks (models.PagedModel)
         self.loaded = loaded
-        mc = loaded.config
+        model, mesh = loaded.model, None
+        if config.tensor_parallel_size > 1:  # the device count, then the head counts, named
+            mesh = shard.make_mesh(config.tensor_parallel_size)
+            r = shard.kv_replication(loaded.config, config.tensor_parallel_size)
+            model = shard.replicate_kv_heads(model, r)
+        mc = model.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = inputs.eos_token_ids(loaded)
         self.vocab_size = mc.vocab_size
@@ -62,10 +68,11 @@ class LLMEngine:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(512, self.max_num_seqs)
         bs = config.block_size
-        self.num_blocks = size_kv_pool(config, mc, loaded.model.dtype, nnx.state(loaded.model))
+        self.num_blocks = size_kv_pool(config, mc, model.dtype, nnx.state(model))
         self.runner = ModelRunner(
-            loaded.model,
+            model,
             config,
+            mesh=mesh,
             num_blocks=self.num_blocks,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,

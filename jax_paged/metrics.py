@@ -100,6 +100,9 @@ class EngineMetrics:
             # Share of KV blocks that sharing saved, averaged over steps: 1 - physical / logical
             # (evictable cached blocks do not count as used).
             kv_sharing_saving=1.0 - c["physical_block_steps"] / max(1, c["logical_block_steps"]),
+            # Tensor parallelism: each device holds its KV heads' pages.
+            tensor_parallel_size=1 if runner.mesh is None else runner.mesh.size,
+            kv_cache_bytes_per_device=runner.kv_bytes_per_device(),
         )
         return m
 

@@ -30,6 +30,7 @@ from jax_paged import block_manager as bm
 from jax_paged import kv_cache as kvc
 from jax_paged import prefix_cache as pc
 from jax_paged import runner, sampling
+from jax_paged import sharding as shard
 from jax_paged.scheduler import ScheduledChunk, Sequence, blocks_for
 
 logger = logging.getLogger("jax_paged")
@@ -70,10 +71,14 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_token_ids: list[int],
+        mesh=None,
     ):
         self.config = config
         self.model_config = mc = model.config
+        self.mesh = mesh  # tensor parallelism (`jax_paged.sharding`), or None: one device
         self.graphdef, self.params = nnx.split(model)
+        if mesh is not None:
+            self.params = shard.shard_params(self.params, mesh)
         self.dtype = model.dtype
         self.vocab_size = mc.vocab_size
         self.num_blocks = num_blocks
@@ -90,6 +95,7 @@ class ModelRunner:
             drop_window=mc.sliding_window,
             impl=config.attention_impl,
             interpret=config.attention_interpret,
+            mesh=mesh,
         )
         self.key = jax.random.key_data(jax.random.key(config.seed))
         self.state: runner.DeviceState | None = self.fresh_state(track_tokens=False)
@@ -104,7 +110,8 @@ class ModelRunner:
     def fresh_state(self, track_tokens: bool) -> runner.DeviceState:
         """An empty device state: a zeroed KV pool, every block free, no prefix cache."""
         mc, bs = self.model_config, self.config.block_size
-        kv = kvc.KVCache.create(
+        make_kv = functools.partial(
+            kvc.KVCache.create,
             mc.num_layers,
             mc.num_kv_heads,
             mc.head_dim,
@@ -112,6 +119,11 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             dtype=self.dtype,
         )
+        if self.mesh is None:
+            kv = make_kv()
+        else:  # made in place on the devices, each its KV heads' pages
+            pages = shard.kv_sharding(self.mesh)
+            kv = jax.jit(make_kv, out_shardings=kvc.KVCache(k=pages, v=pages))()
         # A direct-mapped prefix-cache table: a bucket collision costs a miss (and stops that
         # prompt's chain), so give it 16 buckets per block (4 bytes each) to keep that rare.
         blocks = bm.init_state(
@@ -123,16 +135,30 @@ class ModelRunner:
         )
         samp = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=track_tokens)
         if not self.config.enable_prefix_caching:
-            return runner.DeviceState(kv=kv, blocks=blocks, sampling=samp)
+            return self._place(runner.DeviceState(kv=kv, blocks=blocks, sampling=samp))
         s, p = self.max_num_seqs, self.max_blocks_per_seq
-        return runner.DeviceState(
-            kv=kv,
-            blocks=blocks,
-            sampling=samp,
-            tokens=jnp.zeros((s, p * bs), jnp.int32),
-            found_blocks=jnp.zeros((s, p), jnp.int32),
-            found_len=jnp.zeros(s, jnp.int32),
+        return self._place(
+            runner.DeviceState(
+                kv=kv,
+                blocks=blocks,
+                sampling=samp,
+                tokens=jnp.zeros((s, p * bs), jnp.int32),
+                found_blocks=jnp.zeros((s, p), jnp.int32),
+                found_len=jnp.zeros(s, jnp.int32),
+            )
         )
+
+    def _place(self, state: runner.DeviceState) -> runner.DeviceState:
+        """With a mesh: everything but the KV pages replicated on it."""
+        if self.mesh is None:
+            return state
+        rep = shard.replicated(self.mesh)
+        rest = jax.device_put(state.replace(kv=None), rep)
+        return rest.replace(kv=state.kv)
+
+    def kv_bytes_per_device(self) -> int:
+        """Bytes of KV pages one device holds (all of them without a mesh)."""
+        return shard.per_device_bytes(self.state.kv.k) * 2
 
     def reset(self) -> None:
         """Drops the device state (first, so its memory is free) and starts an empty one."""
@@ -277,7 +303,7 @@ class ModelRunner:
         s = self.state
         counts = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=True)
         counts = dataclasses.replace(counts, num_generated=s.sampling.num_generated)
-        self.state = s.replace(sampling=counts)
+        self.state = self._place(s.replace(sampling=counts))
         if running:
             self.admit(running, [])
 

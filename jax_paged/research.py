@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -57,6 +58,7 @@ from flax import nnx, struct
 from jax_paged import block_manager as bm
 from jax_paged import kv_cache as kvc
 from jax_paged import runner, sampling
+from jax_paged import sharding as shard
 from jax_paged.sampling_params import SamplingParams
 from jax_paged.scheduler import blocks_for
 from models.protocol import check_model
@@ -142,6 +144,9 @@ class PagedDecoder:
         reach ``max_len``.
       eos_token_ids: stop ids added to every row (unless its ignore_eos).
       attention_impl: `pallas_kernels.paged_attention` implementation.
+      mesh: a `jax.sharding.Mesh` with a ``"tp"`` axis (`jax_paged.sharding.TP_AXIS`; other
+        axes replicate): ``params`` and the KV pages of `init` are split over it, heads and
+        KV heads (replicated when fewer than the devices), and the steps run sharded.
     """
 
     def __init__(
@@ -154,9 +159,21 @@ class PagedDecoder:
         num_blocks: int | None = None,
         eos_token_ids: Sequence[int] = (),
         attention_impl: str = "auto",
+        mesh=None,
     ):
         check_model(model)  # names what a model lacks (models.PagedModel)
+        if mesh is not None:
+            if shard.TP_AXIS not in mesh.axis_names:
+                raise ValueError(
+                    f"mesh axes {mesh.axis_names} have no {shard.TP_AXIS!r} axis to split the "
+                    "model over"
+                )
+            r = shard.kv_replication(model.config, mesh.shape[shard.TP_AXIS])
+            model = shard.replicate_kv_heads(model, r)
+        self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
+        if mesh is not None:
+            self.params = shard.shard_params(self.params, mesh)
         self.config = c = model.config
         self.dtype = model.dtype
         self.max_seqs, self.max_len, self.block_size = max_seqs, max_len, block_size
@@ -165,7 +182,7 @@ class PagedDecoder:
         self.eos_token_ids = list(eos_token_ids)
         self.greedy_only = False  # set by `init`: every row greedy -> a smaller program
         self.opts = runner.AttentionOptions(
-            scale=c.scale, sliding_window=c.sliding_window, impl=attention_impl
+            scale=c.scale, sliding_window=c.sliding_window, impl=attention_impl, mesh=mesh
         )
 
     def init(
@@ -180,15 +197,22 @@ class PagedDecoder:
         track = any(p.uses_penalties for p in sampling_params)
         self.greedy_only = all(p.is_greedy for p in sampling_params)
         c = self.config
+        make_kv = functools.partial(
+            kvc.KVCache.create,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            dtype=self.dtype,
+        )
+        if self.mesh is None:
+            kv = make_kv()
+        else:  # made in place on the devices, each its KV heads' pages
+            pages = shard.kv_sharding(self.mesh)
+            kv = jax.jit(make_kv, out_shardings=kvc.KVCache(k=pages, v=pages))()
         device = runner.DeviceState(
-            kv=kvc.KVCache.create(
-                c.num_layers,
-                c.num_kv_heads,
-                c.head_dim,
-                block_size=self.block_size,
-                num_blocks=self.num_blocks,
-                dtype=self.dtype,
-            ),
+            kv=kv,
             blocks=bm.init_state(self.num_blocks, self.block_size, b, self.max_blocks_per_seq),
             sampling=sampling.init_state(b, c.vocab_size, track_tokens=track),
         )
@@ -198,7 +222,7 @@ class PagedDecoder:
             eos_token_ids=self.eos_token_ids,
             request_uids=list(range(b)),
         )
-        return DecodeState(
+        state = DecodeState(
             device=device,
             last_tokens=jnp.zeros(b, jnp.int32),
             active=jnp.zeros(b, bool),
@@ -206,6 +230,13 @@ class PagedDecoder:
             key=jax.random.key_data(jax.random.key(seed)),
             status=jnp.full(b, int(RowStatus.UNUSED), jnp.int32),
         )
+        if self.mesh is None:
+            return state
+        # Everything but the KV pages replicated on the mesh.
+        rest = jax.device_put(
+            state.replace(device=device.replace(kv=None)), shard.replicated(self.mesh)
+        )
+        return rest.replace(device=rest.device.replace(kv=kv))
 
     def _check_prompts(self, prompts, prompt_lens):
         """The call-time refusals of `prefill` (ValueError); see the module docstring."""

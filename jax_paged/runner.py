@@ -33,7 +33,7 @@ from jax import lax
 from jax_paged import block_manager as bm
 from jax_paged import kv_cache as kvc
 from jax_paged import prefix_cache as pc
-from jax_paged import sampling
+from jax_paged import sampling, sharding
 from pallas_kernels import paged_attention
 
 
@@ -108,6 +108,8 @@ class AttentionOptions:
     ``drop_window``: when every layer attends through this one sliding window, the steps
     return the blocks that fell out of it to the pool (`block_manager.drop_out_of_window`), so
     a sequence holds about ``window / block_size + 2`` blocks however long it grows.
+    ``mesh``: a tensor-parallel `jax.sharding.Mesh` (`jax_paged.sharding`): the K/V write and
+    the kernel run per shard, on each device's heads and pages.
     """
 
     scale: float
@@ -116,6 +118,7 @@ class AttentionOptions:
     impl: str = "auto"
     interpret: bool = False
     drop_window: int | None = None
+    mesh: Any = None
 
 
 def _gather_rows(tree, idx):
@@ -149,19 +152,16 @@ def paged_attn(opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens=N
     without, there is one decode token per row.
     """
 
-    def attn(layer, q, k, v, kv, sliding_window=opts.sliding_window):
-        # `layer` is the traced counter of the model's layer scan and `kv` its carry: the
+    def write_and_attend(layer, q, k, v, pages_k, pages_v, slots, *rest, sliding_window):
+        # `layer` is the traced counter of the model's layer scan and the pages its carry: the
         # write scatters into the stacked pages in place and the kernel reads them through the
         # index (a `kv.k[layer]` slice would copy the layer's whole pool every step).
-        kv = kvc.scatter(kv, layer, k[0], v[0], slots)
+        kv = kvc.scatter(kvc.KVCache(k=pages_k, v=pages_v), layer, k, v, slots)
         out = paged_attention(
-            q[0],
+            q,
             kv.k,
             kv.v,
-            block_tables,
-            kv_lens,
-            cu_q_lens,
-            num_rows,
+            *rest,
             layer=layer,
             scale=opts.scale,
             sliding_window=sliding_window,
@@ -169,7 +169,16 @@ def paged_attn(opts: AttentionOptions, slots, block_tables, kv_lens, cu_q_lens=N
             impl=opts.impl,
             interpret=opts.interpret,
         )
-        return out[None], kv
+        return out, kv.k, kv.v
+
+    tables = (block_tables, kv_lens) + (() if cu_q_lens is None else (cu_q_lens, num_rows))
+
+    def attn(layer, q, k, v, kv, sliding_window=opts.sliding_window):
+        fn = functools.partial(write_and_attend, sliding_window=sliding_window)
+        if opts.mesh is not None:
+            fn = sharding.shard_map_attention(fn, opts.mesh, 1 + len(tables))
+        out, pk, pv = fn(layer, q[0], k[0], v[0], kv.k, kv.v, slots, *tables)
+        return out[None], kv.replace(k=pk, v=pv)
 
     return attn
 

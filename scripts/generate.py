@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -99,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--attention-impl", default="auto", choices=["auto", "reference", "xla", "gpu", "tpu"]
     )
+    e.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices to split the model and KV cache over (on a CPU, emulate N devices with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+    )
+    d = ap.add_argument_group("several hosts (jax.distributed; every host runs this command)")
+    d.add_argument("--coordinator-address", help="host:port of process 0")
+    d.add_argument("--num-processes", type=int, default=None)
+    d.add_argument("--process-id", type=int, default=None)
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("-v", "--verbose", action="store_true", help="engine logs (KV usage, ...)")
     return ap
@@ -283,6 +295,7 @@ def run(args, requests: list[Request], sink) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_decode_steps=args.max_decode_steps,
             attention_impl=args.attention_impl,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except Exception as e:
         name = args.model or "(the embedded default)"
@@ -370,6 +383,22 @@ def run(args, requests: list[Request], sink) -> int:
     return 1 if w.errors == len(requests) else 0
 
 
+def start_distributed(args) -> None:
+    """Joins the multi-host job (`jax.distributed.initialize`, before any device is used).
+    Every host runs the same requests through the same global mesh and computes the same
+    outputs; process 0 alone writes them."""
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
+    if jax.process_index() != 0:
+        args.output, args.no_progress = None, True
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -381,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         # Everything the command line can get wrong is checked before the model loads.
         requests = read_requests(args)
         check_model(args.model)
+        if args.coordinator_address or args.num_processes:
+            start_distributed(args)
         sink = open_output(args.output) if args.output else None
         return run(args, requests, sink)
     except Failure as e:
