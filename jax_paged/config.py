@@ -39,6 +39,9 @@ class EngineConfig:
       tensor_parallel_size: devices the model and its KV cache are split over
         (`jax_paged.sharding`: attention heads, MLP width and KV heads); the pool sizes
         (``kv_cache_memory_bytes``, ``gpu_memory_utilization``) are then per device.
+      data_parallel_size: independent engine replicas, each on its own
+        ``tensor_parallel_size`` devices, requests spread over them
+        (`jax_paged.data_parallel.DataParallelEngine`); ``LLM`` builds them.
     """
 
     block_size: int = 16
@@ -56,6 +59,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_n: int = 256
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         def positive(name):
@@ -73,6 +77,7 @@ class EngineConfig:
             "max_decode_steps",
             "max_n",
             "tensor_parallel_size",
+            "data_parallel_size",
         ):
             positive(name)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

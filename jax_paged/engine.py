@@ -51,13 +51,15 @@ class LLMEngine:
       config: `EngineConfig`.
     """
 
-    def __init__(self, loaded, config: EngineConfig | None = None):
+    def __init__(self, loaded, config: EngineConfig | None = None, devices=None):
         self.config = config = config or EngineConfig()
         check_model(loaded.model)  # names what a user-written model lacks (models.PagedModel)
         self.loaded = loaded
         model, mesh = loaded.model, None
-        if config.tensor_parallel_size > 1:  # the device count, then the head counts, named
-            mesh = shard.make_mesh(config.tensor_parallel_size)
+        if config.tensor_parallel_size > 1 or devices is not None:
+            # The device count, then the head counts, named. ``devices``: this engine's own
+            # (a data-parallel replica's, `DataParallelEngine`).
+            mesh = shard.make_mesh(config.tensor_parallel_size, devices)
             r = shard.kv_replication(loaded.config, config.tensor_parallel_size)
             model = shard.replicate_kv_heads(model, r)
         mc = model.config

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 import models
 from jax_paged import beam_search as beam_search_lib
+from jax_paged.data_parallel import DataParallelEngine
 from jax_paged.engine import EngineConfig, LLMEngine
 from jax_paged.outputs import RequestOutput, describe_error
 from jax_paged.sampling_params import BeamSearchParams, SamplingParams
@@ -34,7 +35,9 @@ class LLM:
       dtype: "float32" or "bfloat16" ("auto" = float32).
       **engine_kwargs: `EngineConfig` fields: block_size (16), num_kv_blocks,
         kv_cache_memory_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
-        max_num_batched_tokens, max_decode_steps, seed, attention_impl.
+        max_num_batched_tokens, max_decode_steps, seed, attention_impl,
+        tensor_parallel_size (devices the model is split over), data_parallel_size (engine
+        replicas on their own devices, `jax_paged.data_parallel`).
     """
 
     def __init__(self, model: Any = None, *, dtype: str = "float32", **engine_kwargs):
@@ -51,7 +54,11 @@ class LLM:
             loaded = model
         else:
             loaded = models.load(model, dtype=_DTYPES[dtype])
-        self.engine = LLMEngine(loaded, EngineConfig(**engine_kwargs))
+        config = EngineConfig(**engine_kwargs)
+        if config.data_parallel_size > 1:
+            self.engine = DataParallelEngine(loaded, config)
+        else:
+            self.engine = LLMEngine(loaded, config)
         self._counter = 0
 
     @property

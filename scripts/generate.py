@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="devices to split the model and KV cache over (on a CPU, emulate N devices with "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N)",
     )
+    e.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas, each on its own --tensor-parallel-size devices",
+    )
     d = ap.add_argument_group("several hosts (jax.distributed; every host runs this command)")
     d.add_argument("--coordinator-address", help="host:port of process 0")
     d.add_argument("--num-processes", type=int, default=None)
@@ -296,6 +302,7 @@ def run(args, requests: list[Request], sink) -> int:
             max_decode_steps=args.max_decode_steps,
             attention_impl=args.attention_impl,
             tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
         )
     except Exception as e:
         name = args.model or "(the embedded default)"

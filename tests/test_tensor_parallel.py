@@ -180,3 +180,27 @@ def test_head_counts_the_mesh_cannot_serve_are_refused(gqa_4_2, tmp_path_factory
     mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
     with pytest.raises(ValueError, match="no 'tp' axis"):
         PagedDecoder(models.load(str(path)).model, max_seqs=2, max_len=16, mesh=mesh)
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 1), (2, 2), (4, 2)])
+def test_data_parallel_replicas(gqa_4_2, dp, tp):
+    """Requests spread over replicas on disjoint devices give the tokens one engine gives; a
+    bad request is refused by its replica and the rest complete."""
+    path, _ = gqa_4_2
+    kw = dict(num_kv_blocks=64, block_size=4, max_num_seqs=4)
+    prompts = PROMPTS * 3
+    one = _greedy(LLM(str(path), **kw), prompts)
+    llm = LLM(str(path), data_parallel_size=dp, tensor_parallel_size=tp, **kw)
+    sets = [frozenset(e.state.kv.k.sharding.device_set) for e in llm.engine.replicas]
+    assert all(len(s) == tp for s in sets) and len(frozenset().union(*sets)) == dp * tp
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": []}], sp)
+    assert [list(o.outputs[0].token_ids) for o in outs[:-1]] == one
+    assert "empty" in outs[-1].error
+    m = llm.get_metrics()
+    assert m["data_parallel_size"] == dp and m["num_finished"] == len(prompts)
+    assert all(r["num_finished"] > 0 for r in m["replicas"])
+    for e in llm.engine.replicas:
+        bm.check_invariants(e.state.blocks)
+    with pytest.raises(ValueError, match="needs 16 devices; there are 8"):
+        LLM(str(path), data_parallel_size=8, tensor_parallel_size=2, **kw)
