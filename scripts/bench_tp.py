@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
             loaded,
             tensor_parallel_size=tp,
             max_num_seqs=args.batch_size,
-            kv_cache_memory_bytes=64 << 20,
+            num_kv_blocks=args.batch_size * -(-(args.prompt_len + args.max_tokens) // 16) + 1,
             enable_prefix_caching=False,
         )
         t0 = time.perf_counter()

@@ -204,3 +204,20 @@ def test_data_parallel_replicas(gqa_4_2, dp, tp):
         bm.check_invariants(e.state.blocks)
     with pytest.raises(ValueError, match="needs 16 devices; there are 8"):
         LLM(str(path), data_parallel_size=8, tensor_parallel_size=2, **kw)
+
+
+def test_bench_tp_quick(capsys):
+    """scripts/bench_tp.py --quick: a JSON line per tp, outputs equal to tp 1's."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_tp
+
+    out = bench_tp.main(["--quick"])
+    assert json.loads(capsys.readouterr().out)["tp"] == out["tp"]
+    assert set(out["tp"]) == {"1", "2"} and out["emulated"]
+    assert all(r["outputs_equal_tp1"] and r["output_tokens_per_s"] > 0 for r in out["tp"].values())
+    two, one = out["tp"]["2"], out["tp"]["1"]
+    assert two["kv_cache_bytes_per_device"] * 2 == one["kv_cache_bytes_per_device"]
