@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 
 from jax_paged import block_manager as bm
-from jax_paged import kv_cache as kvc
 from jax_paged import prefix_cache as pc
 from jax_paged import runner, sampling
 from jax_paged import sharding as shard
@@ -110,8 +109,8 @@ class ModelRunner:
     def fresh_state(self, track_tokens: bool) -> runner.DeviceState:
         """An empty device state: a zeroed KV pool, every block free, no prefix cache."""
         mc, bs = self.model_config, self.config.block_size
-        make_kv = functools.partial(
-            kvc.KVCache.create,
+        kv = shard.create_kv_cache(
+            self.mesh,
             mc.num_layers,
             mc.num_kv_heads,
             mc.head_dim,
@@ -119,11 +118,6 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             dtype=self.dtype,
         )
-        if self.mesh is None:
-            kv = make_kv()
-        else:  # made in place on the devices, each its KV heads' pages
-            pages = shard.kv_sharding(self.mesh)
-            kv = jax.jit(make_kv, out_shardings=kvc.KVCache(k=pages, v=pages))()
         # A direct-mapped prefix-cache table: a bucket collision costs a miss (and stops that
         # prompt's chain), so give it 16 buckets per block (4 bytes each) to keep that rare.
         blocks = bm.init_state(

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -56,7 +55,6 @@ import numpy as np
 from flax import nnx, struct
 
 from jax_paged import block_manager as bm
-from jax_paged import kv_cache as kvc
 from jax_paged import runner, sampling
 from jax_paged import sharding as shard
 from jax_paged.sampling_params import SamplingParams
@@ -197,8 +195,8 @@ class PagedDecoder:
         track = any(p.uses_penalties for p in sampling_params)
         self.greedy_only = all(p.is_greedy for p in sampling_params)
         c = self.config
-        make_kv = functools.partial(
-            kvc.KVCache.create,
+        kv = shard.create_kv_cache(
+            self.mesh,
             c.num_layers,
             c.num_kv_heads,
             c.head_dim,
@@ -206,11 +204,6 @@ class PagedDecoder:
             num_blocks=self.num_blocks,
             dtype=self.dtype,
         )
-        if self.mesh is None:
-            kv = make_kv()
-        else:  # made in place on the devices, each its KV heads' pages
-            pages = shard.kv_sharding(self.mesh)
-            kv = jax.jit(make_kv, out_shardings=kvc.KVCache(k=pages, v=pages))()
         device = runner.DeviceState(
             kv=kv,
             blocks=bm.init_state(self.num_blocks, self.block_size, b, self.max_blocks_per_seq),

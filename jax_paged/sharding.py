@@ -28,6 +28,7 @@ array is placed with a `NamedSharding` over the mesh (README, "Several devices a
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jax_paged import kv_cache as kvc
 
 TP_AXIS = "tp"
 
@@ -141,6 +144,16 @@ def shard_params(params: nnx.State, mesh: Mesh) -> nnx.State:
 def kv_sharding(mesh: Mesh) -> NamedSharding:
     """KV pages [L, KVH, N, bs, D]: split over the KV heads."""
     return NamedSharding(mesh, P(None, TP_AXIS))
+
+
+def create_kv_cache(mesh: Mesh | None, *args, **kwargs):
+    """`kv_cache.KVCache.create(*args, **kwargs)`; with a mesh made in place on its devices,
+    each holding its KV heads' pages (never whole on one device first)."""
+    make = functools.partial(kvc.KVCache.create, *args, **kwargs)
+    if mesh is None:
+        return make()
+    pages = kv_sharding(mesh)
+    return jax.jit(make, out_shardings=kvc.KVCache(k=pages, v=pages))()
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
