@@ -89,6 +89,7 @@ class ModelRunner:
         self.opts = runner.AttentionOptions(
             scale=mc.scale,
             sliding_window=mc.sliding_window,
+            soft_cap=getattr(mc, "attn_logit_softcapping", None),  # Gemma 2
             # One window in every layer (Mistral): blocks out of it go back to the pool. Models
             # mixing windowed and full layers keep every block (docs/DESIGN.md).
             drop_window=mc.sliding_window,

@@ -180,7 +180,11 @@ class PagedDecoder:
         self.eos_token_ids = list(eos_token_ids)
         self.greedy_only = False  # set by `init`: every row greedy -> a smaller program
         self.opts = runner.AttentionOptions(
-            scale=c.scale, sliding_window=c.sliding_window, impl=attention_impl, mesh=mesh
+            scale=c.scale,
+            sliding_window=c.sliding_window,
+            soft_cap=getattr(c, "attn_logit_softcapping", None),
+            impl=attention_impl,
+            mesh=mesh,
         )
 
     def init(

@@ -18,9 +18,10 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 # model_types built by `models.gemma.Gemma3` instead of `models.llama.Transformer`.
-GEMMA_MODEL_TYPES = ("gemma3_text",)
+GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -38,7 +39,8 @@ class ModelConfig:
     """Everything the decoder needs to know; every field is a plain hashable scalar.
 
     Attributes:
-      model_type: "llama", "mistral", "qwen2", "qwen3" (SmolLM2 is "llama") or "gemma3_text".
+      model_type: "llama", "mistral", "qwen2", "qwen3" (SmolLM2 is "llama"), "gemma3_text" or
+        "gemma2".
       vocab_size, hidden_size, intermediate_size: V, E and the FFN width F.
       num_layers, num_heads, num_kv_heads, head_dim: L, H, KVH, D. GQA: query head h reads KV
         head h // (H // KVH).
@@ -60,6 +62,8 @@ class ModelConfig:
         ``rope_local_base_freq``, no scaling); the global layers use ``rope_theta`` and its
         scaling. None: every layer uses ``rope_theta``.
       final_logit_softcapping: if set, logits become ``cap * tanh(logits / cap)``.
+      attn_logit_softcapping: if set, attention scores become ``cap * tanh(scores / cap)``
+        before the mask and softmax (Gemma 2).
     """
 
     model_type: str
@@ -89,6 +93,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     rope_local_theta: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     def __post_init__(self):
         # A list (from JSON: our checkpoints) would make the config unhashable.
@@ -270,15 +275,18 @@ def _qwen_layer_windows(d: dict[str, Any], model_type: str) -> tuple[int | None,
 
 
 def _gemma3_from_hf(d: dict[str, Any], source: str) -> dict[str, Any]:
-    """`ModelConfig` fields of a Gemma 3 text config (`Gemma3TextConfig`, transformers 4 or 5).
+    """`ModelConfig` fields of a Gemma 3 text config (`Gemma3TextConfig`, transformers 4 or 5)
+    or a Gemma 2 one (`Gemma2Config`: no q/k norms, one RoPE for every layer, every other
+    layer windowed by default, and attention scores soft-capped by ``attn_logit_softcapping``).
 
     Layer kinds come from ``layer_types`` or, in older files, ``sliding_window_pattern`` (every
     pattern-th layer global, as HF derives them). RoPE: transformers 5 writes one
     ``rope_parameters`` entry per layer kind; older files ``rope_theta`` (+ ``rope_scaling``) for
     the global layers and ``rope_local_base_freq`` for the local ones. HF's defaults apply to
-    missing fields. ``attn_logit_softcapping`` is ignored, as HF's Gemma 3 ignores it (its
-    attention never reads the field); ``final_logit_softcapping`` is applied.
+    missing fields. Gemma 3's ``attn_logit_softcapping`` is ignored, as HF's Gemma 3 ignores it
+    (its attention never reads the field); ``final_logit_softcapping`` is applied.
     """
+    gemma2 = d["model_type"] == "gemma2"
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"{source}: unsupported hidden_activation {act!r}; only gelu_pytorch_tanh")
@@ -287,7 +295,10 @@ def _gemma3_from_hf(d: dict[str, Any], source: str) -> dict[str, Any]:
     num_layers = int(d["num_hidden_layers"])
     layer_types = d.get("layer_types")
     if layer_types is None:
-        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        default = 2 if gemma2 else 6
+        pattern = int(
+            d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or default
+        )
         layer_types = [
             "sliding_attention" if (i + 1) % pattern else "full_attention"
             for i in range(num_layers)
@@ -321,6 +332,8 @@ def _gemma3_from_hf(d: dict[str, Any], source: str) -> dict[str, Any]:
             source,
         )
         local_theta, local_type = d.get("rope_local_base_freq", 10_000.0), "default"
+    if gemma2:  # one RoPE for all layers
+        local_theta = None
     if local_type != "default":
         raise ValueError(
             f"{source}: unsupported rope type {local_type!r} on the sliding-window layers; "
@@ -344,14 +357,15 @@ def _gemma3_from_hf(d: dict[str, Any], source: str) -> dict[str, Any]:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
         qkv_bias=bias,
         o_bias=bias,
-        qk_norm=True,
+        qk_norm=not gemma2,
         # One window for every layer when they agree (the engine's plain case).
         sliding_window=windows[0] if same else None,
         layer_windows=() if same else windows,
         hidden_act="gelu_pytorch_tanh",
         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
-        rope_local_theta=float(local_theta),
+        rope_local_theta=_opt_float(local_theta),
         final_logit_softcapping=_opt_float(d.get("final_logit_softcapping")),
+        attn_logit_softcapping=_opt_float(d.get("attn_logit_softcapping")) if gemma2 else None,
         **rope,
     )
 

@@ -1,4 +1,10 @@
-"""Gemma 3 (text) as HF's `Gemma3ForCausalLM` configures it, in Flax NNX.
+"""Gemma 3 (text) as HF's `Gemma3ForCausalLM` configures it, and Gemma 2 (`Gemma2ForCausalLM`),
+in Flax NNX.
+
+Gemma 2 is the same decoder without the q/k norms, with one RoPE for every layer (local and
+global layers alternate) and attention scores soft-capped (``attn_logit_softcapping``: the
+attention function applies it, `dense_attention` / the paged kernels' ``soft_cap``); `Gemma3`
+builds both from their configs.
 
 `Gemma3` subclasses `models.llama.Transformer` (embedding, stacked layers, LM head, dense
 forward), `GemmaAttention` and `GemmaMLP` the Llama attention and MLP; what differs:

@@ -45,6 +45,7 @@ def make_contiguous_cache_attention(config: ModelConfig, positions: jax.Array) -
             q_positions=positions,
             k_positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
             sliding_window=sliding_window,
+            soft_cap=config.attn_logit_softcapping,
         )
         return out, (k_all, v_all)
 

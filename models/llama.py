@@ -93,16 +93,20 @@ def dense_attention(
     q_positions: jax.Array,
     k_positions: jax.Array,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Plain-jnp attention with a position mask; the reference the paged path must agree with.
 
     q[B,T,H,D], k/v[B,S,KVH,D], q_positions i32[B,T], k_positions i32[B,S] -> out[B,T,H,D].
     Query at position p sees key at position j when j <= p and, with a window, p - j < window.
+    ``soft_cap``: scores become ``soft_cap * tanh(scores / soft_cap)`` (Gemma 2).
     """
     b, t, h, d = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, h // kvh, d)  # GQA: query head h reads KV head h // (H // KVH)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     delta = q_positions[:, :, None] - k_positions[:, None, :]  # [B,T,S]
     mask = delta >= 0
     if sliding_window is not None:
@@ -130,6 +134,7 @@ def make_dense_attention(config: ModelConfig, positions: jax.Array) -> Attention
             q_positions=positions,
             k_positions=positions,
             sliding_window=sliding_window,
+            soft_cap=config.attn_logit_softcapping,
         )
         return out, kv
 

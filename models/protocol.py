@@ -30,8 +30,9 @@ token at its own position), so apart from ``attn`` a forward must treat every to
 and take positions only from ``positions`` (never ``arange(T)``). End-of-sequence ids are not
 the model's: give them to `wrap_model` (or `LoadedModel.generation_config`) and to
 `PagedDecoder(eos_token_ids=...)`. A final-logit soft cap is the model's own business (apply it
-in `forward`); an attention soft cap (``attn_logit_softcapping``) is not supported by the
-engine yet and is refused, as is a sequence of windows in ``config.sliding_window``.
+in `forward`); an attention soft cap is the engine's: set ``config.attn_logit_softcapping``
+(a float > 0, or None) and the paged kernels apply ``cap * tanh(score / cap)``. A sequence of
+windows in ``config.sliding_window`` is refused.
 
 `check_model(model)` checks all of this that can be checked without running the model and
 raises naming every missing or invalid part; `LLMEngine` and `PagedDecoder` call it.
@@ -138,10 +139,11 @@ def _config_problems(c: Any) -> list[str]:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not scale > 0:
             problems.append(f"model.config.scale={scale!r} must be a positive float")
     cap = getattr(c, "attn_logit_softcapping", None)
-    if cap is not None:
+    if cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0
+    ):
         problems.append(
-            f"model.config.attn_logit_softcapping={cap!r}: attention soft caps are not "
-            "supported by the engine yet"
+            f"model.config.attn_logit_softcapping={cap!r} must be None or a float > 0"
         )
     try:
         hash(c)

@@ -1,6 +1,7 @@
-"""Gemma 3 (models/gemma.py) against HF transformers' Gemma3ForCausalLM on tiny random models.
+"""Gemma 3 and Gemma 2 (models/gemma.py) against HF transformers' Gemma3ForCausalLM and
+Gemma2ForCausalLM on tiny random models.
 
-Two tiny models, f32, eager attention, noise on every 1-D parameter (so the (1 + w) norms, q/k
+Three tiny models, f32, eager attention, noise on every 1-D parameter (so the (1 + w) norms, q/k
 norms and biases all matter), sliding windows (5 and 7) shorter than the prompts (up to 21
 tokens, and 53 positions after 32 greedy tokens):
 
@@ -10,6 +11,9 @@ tokens, and 53 positions after 32 greedy tokens):
 - ``gemma3_gqa4``: GQA 4 (4 query / 1 KV head), explicit layer_types local, local, global over
   7 layers (two groups of 3, one remainder), local RoPE base 100, q/k/v/o biases, untied LM
   head, a final-logit soft cap of 3 (the logits reach about 3, so the cap bends them).
+- ``gemma2_gqa2``: Gemma 2 (same file): GQA 2, no q/k norms, one RoPE base, local and global
+  layers alternating over 5 layers (window 6), attention scores soft-capped at 0.3 by the paged
+  kernels and the dense forward, final-logit cap 3.
 
 The oracle is HF transformers (torch, CPU): these tests fail, not skip, when it is missing.
 The engine tests run the mixed local/global layers through the engine's attention function
@@ -29,6 +33,7 @@ from conftest import (
     build_tiny_hf_model,
     hf_greedy,
     hf_logits,
+    oracle,
     research_greedy,
     right_pad,
 )
@@ -80,6 +85,25 @@ SPECS = {
                 ("attention_bias", True),
                 ("final_logit_softcapping", 3.0),
                 ("tie_word_embeddings", False),
+                ("attn_implementation", "eager"),
+            ),
+        ),
+        # Gemma 2: no q/k norms, one RoPE, every other layer windowed (HF's default), attention
+        # scores soft-capped at 0.3 (tiny random scores reach about that, so the cap bends them).
+        TinySpec(
+            "gemma2_gqa2",
+            "Gemma2Config",
+            (
+                ("hidden_size", 64),
+                ("num_attention_heads", 4),
+                ("num_key_value_heads", 2),
+                ("head_dim", 16),
+                ("intermediate_size", 128),
+                ("num_hidden_layers", 5),
+                ("sliding_window", 6),
+                ("query_pre_attn_scalar", 16),
+                ("attn_logit_softcapping", 0.3),
+                ("final_logit_softcapping", 3.0),
                 ("attn_implementation", "eager"),
             ),
         ),
@@ -149,6 +173,22 @@ def test_config_from_hf(tiny):
     assert b.qkv_bias and b.o_bias and not b.tie_word_embeddings
     assert b.final_logit_softcapping == 3.0
     assert max(PROMPT_LENGTHS) > max(w for w in a.layer_windows + b.layer_windows if w)
+
+
+def test_gemma2_config_and_its_soft_cap_matters(tiny):
+    hf, _, lm = tiny("gemma2_gqa2")
+    c = lm.config
+    assert c.model_type == "gemma2" and not c.qk_norm and c.rope_local_theta is None
+    assert c.layer_windows == (6, None, 6, None, 6)
+    assert c.attn_logit_softcapping == 0.3 and c.final_logit_softcapping == 3.0
+    assert c.scale == 16**-0.5 and c.tie_word_embeddings
+    # The oracle does cap the scores: without the cap its logits differ.
+    torch, transformers = oracle()
+    uncapped = transformers.Gemma2Config(**{**hf.config.to_dict(), "attn_logit_softcapping": None})
+    hf_free = transformers.AutoModelForCausalLM.from_config(uncapped).eval()
+    hf_free.load_state_dict(hf.state_dict())
+    prompts = _prompts()[2:]
+    assert np.abs(hf_logits(hf_free, prompts)[0] - hf_logits(hf, prompts)[0]).max() > 1e-3
 
 
 def test_satisfies_protocol(tiny):
@@ -287,11 +327,12 @@ def test_engine_greedy_matches_hf(name, tiny):
     assert llm.get_metrics()["num_preemptions"] > 0
 
 
-def test_paged_decoder_matches_hf(tiny):
+@pytest.mark.parametrize("name", ["gemma3_gqa4", "gemma2_gqa2"])
+def test_paged_decoder_matches_hf(name, tiny):
     from jax_paged import SamplingParams
     from jax_paged.research import PagedDecoder
 
-    hf, _, lm = tiny("gemma3_gqa4")
+    hf, _, lm = tiny(name)
     prompts = _prompts(seed=4)
     ref = [hf_greedy(hf, p, NEW_TOKENS, eos=False) for p in prompts]
     dec = PagedDecoder(lm.model, max_seqs=len(prompts), max_len=64, block_size=8)

@@ -69,7 +69,7 @@ def test_missing_shard(tiny_hf, tmp_path):
         models.load(dst)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "gemma2"])
+@pytest.mark.parametrize("model_type", ["gpt2", "phi3"])
 def test_unsupported_architecture(folder, model_type):
     _edit_config(folder, model_type=model_type, architectures=None)
     with pytest.raises(ValueError, match=f"unsupported model_type '{model_type}'") as e:
