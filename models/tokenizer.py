@@ -48,33 +48,42 @@ def _gguf_pre_tokenizer(pre: str | None):
     )
 
 
-def _gemma_backend(tokens: list[str], unk_id: int | None) -> tuple[tokenizers.Tokenizer, dict]:
-    """Gemma's BPE (byte fallback, spaces as "\u2581", no prefix space) from a GGUF vocabulary.
-
-    As transformers' GGUF converter (`gemma_tokenizer`) builds it: tokens of two or more spaces
-    are stored as real spaces and renamed to "\u2581" runs; the file has no merges, so every
-    split of a token into two vocabulary tokens becomes a merge, ranked by the token's position
-    in the file (Gemma's scores do not follow its merge order), ties by the pieces' lengths.
-    Returns (backend, vocab token -> id).
-    """
-    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = []  # (rank of the merged token, len left, len right, left, right)
-    for tok, rank in vocab.items():  # a repeated token ranks at its last position, as in HF
+def _derived_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies (GGUF files store none): every split
+    of a token into two vocabulary tokens, best token first by ``scores``, ties by the longer
+    left then right piece, then by the pieces' ids (transformers' ``generate_merges``)."""
+    merges = []  # (-score of the merged token, -len left, -len right, left, right)
+    for tok, score in scores.items():
         local = [
             (tok[:i], tok[i:]) for i in range(1, len(tok)) if tok[:i] in vocab and tok[i:] in vocab
         ]
         local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
-        merges += [(rank, -len(a), -len(b), a, b) for a, b in local]
-    # transformers sorts (-rank, len l, len r) descending, a stable sort: earlier tokens first,
-    # longer left pieces first, then longer right pieces, then the order above.
-    merges.sort(key=lambda m: m[:3])
-    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else "<unk>"
+        merges += [(-score, -len(a), -len(b), a, b) for a, b in local]
+    merges.sort(key=lambda m: m[:3])  # stable: equal keys keep the order above
+    return [(a, b) for *_, a, b in merges]
+
+
+def _unk(tokens: list[str], unk_id: int | None) -> str:
+    return tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else "<unk>"
+
+
+def _gemma_backend(tokens: list[str], unk_id: int | None) -> tuple[tokenizers.Tokenizer, dict]:
+    """Gemma's BPE (byte fallback, spaces as "\u2581", no prefix space) from a GGUF vocabulary.
+
+    As transformers' GGUF converter (`gemma_tokenizer`) builds it: tokens of two or more spaces
+    are stored as real spaces and renamed to "\u2581" runs; the merges are derived from the
+    vocabulary (`_derived_merges`) ranked by the token's position in the file (Gemma's scores do
+    not follow its merge order; a repeated token ranks at its last position, as in HF).
+    Returns (backend, vocab token -> id).
+    """
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _derived_merges(vocab, {t: -i for t, i in vocab.items()})
     backend = tokenizers.Tokenizer(
         tokenizers.models.BPE(
             vocab=vocab,
-            merges=[(a, b) for *_, a, b in merges],
-            unk_token=unk,
+            merges=merges,
+            unk_token=_unk(tokens, unk_id),
             fuse_unk=True,
             byte_fallback=True,
         )
@@ -83,6 +92,38 @@ def _gemma_backend(tokens: list[str], unk_id: int | None) -> tuple[tokenizers.To
     backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     backend.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend, vocab
+
+
+def _llama_backend(
+    tokens: list[str], scores: list[float], unk_id: int | None
+) -> tuple[tokenizers.Tokenizer, dict]:
+    """Llama 2 / Mistral SentencePiece BPE from a GGUF vocabulary, as transformers' GGUF
+    converter builds it (`LlamaTokenizer`): byte fallback, merges derived from the vocabulary
+    ranked by the file's scores, spaces as "\u2581" with one prepended to the text, the
+    decoder stripping it again. Returns (backend, vocab token -> id)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _derived_merges(vocab, dict(zip(tokens, scores, strict=True)))
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=_unk(tokens, unk_id),
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first", split=False
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
     )
     return backend, vocab
 
@@ -187,7 +228,8 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """From a GGUF's `tokenizer.*` metadata: byte-level BPE (`tokenizer.ggml.model` gpt2),
-        or a Gemma SentencePiece vocabulary (`llama` in a `gemma3` file, see `_gemma_backend`)."""
+        or a SentencePiece vocabulary (`llama`): Gemma's in a gemma / gemma2 / gemma3 file
+        (`_gemma_backend`), Llama 2's / Mistral's otherwise (`_llama_backend`)."""
         kind = meta.get("tokenizer.ggml.model")
         arch = meta.get("general.architecture")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -197,12 +239,17 @@ class Tokenizer:
             backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
             backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
             backend.decoder = decoders.ByteLevel()
-        elif kind == "llama" and arch == "gemma3":
+        elif kind == "llama" and arch in ("gemma", "gemma2", "gemma3"):
             backend, vocab = _gemma_backend(tokens, meta.get("tokenizer.ggml.unknown_token_id"))
+        elif kind == "llama" and arch != "phi3" and meta.get("tokenizer.ggml.scores"):
+            backend, vocab = _llama_backend(
+                tokens, meta["tokenizer.ggml.scores"], meta.get("tokenizer.ggml.unknown_token_id")
+            )
         else:
             raise ValueError(
                 f"unsupported GGUF tokenizer model {kind!r} (architecture {arch!r}); supported: "
-                "'gpt2' (byte-level BPE), 'llama' in a gemma3 file (SentencePiece BPE)"
+                "'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE with scores; Gemma's or "
+                "Llama 2's / Mistral's, not Phi-3's)"
             )
         # llama.cpp token types: 3 = control (special), 4 = user-defined (matched whole, not
         # special). Both must be added so the text "<|im_start|>" stays one token.
@@ -222,7 +269,10 @@ class Tokenizer:
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
         bos, eos = tok("bos_token_id"), tok("eos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        # A SentencePiece vocabulary without the flag gets BOS, as llama.cpp and HF give it.
+        add_bos = (
+            bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
+        )
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
         if add_bos or add_eos:
             single = " ".join(
