@@ -178,6 +178,8 @@ class ModelRunner:
         """Runs ``fn`` (jitted, donating the state) compiled for bucket ``key``; blocks until
         done and returns its outputs."""
         ckey = (kind,) + key
+        if self.mesh is not None:  # host inputs as global arrays (several hosts: the same)
+            args = shard.put_replicated(args, self.mesh)
         compiled = self.compiled.get(ckey)
         if compiled is None:
             t0 = time.perf_counter()

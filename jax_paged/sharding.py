@@ -174,6 +174,21 @@ def shard_map_attention(fn, mesh: Mesh, num_args: int):
     )
 
 
+def put_replicated(tree, mesh: Mesh):
+    """Every numpy leaf of ``tree`` as a jax.Array replicated on ``mesh``; other leaves as
+    they are. Built shard by shard from the host copy (`jax.make_array_from_callback`), which
+    holds on several hosts too, where every host passes the same values."""
+    rep = replicated(mesh)
+
+    def put(x):
+        if isinstance(x, np.ndarray | np.generic):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, rep, lambda index: x[index])
+        return x
+
+    return jax.tree.map(put, tree)
+
+
 def per_device_bytes(x: jax.Array) -> int:
     """Bytes of ``x`` held by one device (its first addressable shard)."""
     shard = x.addressable_shards[0].data
