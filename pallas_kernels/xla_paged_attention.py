@@ -38,11 +38,6 @@ from pallas_kernels.layout import decode_as_ragged, query_blocks, stacked_pages
 
 __all__ = ["xla_paged_attention_decode", "xla_ragged_paged_attention"]
 
-# Keys per loop step by default. On 2 CPU cores, SmolLM2 decode at contexts of about 100: 64
-# keys (4 blocks of 16) runs the attention about 10% faster than 32 at batch 64 and 20% at
-# batch 8 (fewer loop trips); 128 is slower again (more masked work).
-CHUNK_KEYS = 64
-
 
 @functools.partial(
     jax.jit,
@@ -61,21 +56,20 @@ def xla_ragged_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    pages_per_chunk: int | None = None,
+    pages_per_chunk: int = 2,
     block_q: int | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention (contract of docs/DESIGN.md); see the module docstring.
 
-    ``pages_per_chunk`` (static): blocks walked per loop step; default ``CHUNK_KEYS // bs``
-    (at least 1). ``block_q`` (static): query rows per block; default 1 for a decode step
-    (``T <= S``), else 16.
+    ``block_q`` (static): query rows per block; default 1 for a decode step (``T <= S``), else
+    16.
     """
     k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
     t, h, d = q.shape
     _, kvh, n, bs, _ = k_pages.shape
     s, p = block_tables.shape
     g = h // kvh
-    c = min(pages_per_chunk or max(1, CHUNK_KEYS // bs), p)
+    c = min(pages_per_chunk, p)
     ck = c * bs  # keys per chunk
     bq = block_q or (1 if t <= s else 16)
     mr = bq * g  # query rows of a block per KV head
