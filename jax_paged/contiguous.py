@@ -45,7 +45,7 @@ from flax import nnx
 
 from jax_paged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jax_paged.sampling_params import SamplingParams
-from models.llama import dense_attention
+from models.llama import argmax_last, dense_attention
 
 __all__ = ["ContiguousEngine", "kv_bytes_per_token"]
 
@@ -124,7 +124,7 @@ def _prefill(graphdef, state, kv, tokens, lens, *, nb, t):
     last = jnp.arange(nb, dtype=jnp.int32) * t + jnp.maximum(lens, 1) - 1
     attn = _prefill_attention(model.config, nb, t)
     logits, kv = model.forward(tokens.reshape(1, nb * t), flat_pos, attn, kv, logits_indices=last)
-    return jnp.argmax(logits[0], axis=-1).astype(jnp.int32), kv
+    return argmax_last(logits[0]), kv
 
 
 @functools.partial(
@@ -148,7 +148,7 @@ def _decode(graphdef, state, kv, last, n_cached, remaining, stop_ids, *, nb, ste
         pos = jnp.minimum(n, max_pos)
         attn = _decode_attention(model.config, nb, ctx, pos)
         logits, kv = model.forward(last[:, None], pos[:, None], attn, kv)
-        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        nxt = argmax_last(logits[:, 0])
         hit = jnp.any(stop_ids == nxt[:, None], axis=-1)
         out = jnp.where(live, nxt, -1)
         rem = jnp.where(live & ~hit, rem - 1, 0)

@@ -47,6 +47,7 @@ from jax_paged.logit_processing import (
 # Re-exported: the runner calls sampling.compute_prompt_logprobs.
 from jax_paged.logit_processing import compute_prompt_logprobs as compute_prompt_logprobs
 from jax_paged.sampling_params import SamplingParams
+from models.llama import argmax_last
 
 _KEY_IMPL = "threefry2x32"
 _INT32_MAX = np.iinfo(np.int32).max
@@ -421,7 +422,7 @@ def sample(
     raw = logits.astype(jnp.float32)
     wanted = jnp.any(tensors.num_logprobs > 0)  # top-N skipped when no row asks
     if greedy_only:
-        tokens = jnp.argmax(apply_penalties(raw, tensors, state), axis=1).astype(jnp.int32)
+        tokens = argmax_last(apply_penalties(raw, tensors, state))
         lp, ranks, top_ids, top_lp = gather_logprobs(raw, tokens, num_top_logprobs, wanted)
         return SamplerOutput(tokens, lp, ranks, top_ids, top_lp)
     x = process_logits(raw, tensors, state, max_candidates=max_candidates)
@@ -430,7 +431,7 @@ def sample(
     def draw(x):
         return jnp.where(greedy, argmax, _draw(x, _row_keys(tensors, state, key)))
 
-    argmax = jnp.argmax(x, axis=1).astype(jnp.int32)
+    argmax = argmax_last(x)
     tokens = lax.cond(jnp.all(greedy), lambda x: argmax, draw, x)
     lp, ranks, top_ids, top_lp = gather_logprobs(raw, tokens, num_top_logprobs, wanted)
     return SamplerOutput(tokens, lp, ranks, top_ids, top_lp)

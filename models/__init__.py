@@ -10,7 +10,13 @@ Your own NNX module runs in the engine when it satisfies `models.PagedModel` (`c
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.gemma import Gemma3
 from models.generate import greedy_generate, make_contiguous_cache_attention
-from models.llama import AttentionFn, Transformer, dense_attention, make_dense_attention
+from models.llama import (
+    AttentionFn,
+    Transformer,
+    argmax_last,
+    dense_attention,
+    make_dense_attention,
+)
 from models.loading import (
     GenerationConfig,
     LoadedModel,
@@ -39,6 +45,7 @@ __all__ = [
     "PagedModelConfig",
     "Tokenizer",
     "Transformer",
+    "argmax_last",
     "check_model",
     "default_model_path",
     "dense_attention",

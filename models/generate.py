@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from models.llama import AttentionFn, Transformer, dense_attention
+from models.llama import AttentionFn, Transformer, argmax_last, dense_attention
 
 
 def make_contiguous_cache_attention(config: ModelConfig, positions: jax.Array) -> AttentionFn:
@@ -59,7 +59,7 @@ def _forward_step(graphdef, state, tokens, positions, kv, last):
     attn = make_contiguous_cache_attention(model.config, positions)
     logits, kv = model.forward(tokens, positions, attn, kv)
     picked = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B,V]
-    return jnp.argmax(picked, axis=-1).astype(jnp.int32), kv
+    return argmax_last(picked), kv
 
 
 def _round_up(n: int, m: int) -> int:

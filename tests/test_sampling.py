@@ -452,3 +452,29 @@ def test_from_params_layout_and_errors():
         SamplingTensors.from_params([SP(stop_token_ids=[8], seed=0)], vocab_size=8)
     with pytest.raises(ValueError, match=r"params\[0\]"):
         SamplingTensors.from_params([{"temperature": 0}], vocab_size=8)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 256, 300, 49152 + 17])
+def test_argmax_last_matches_argmax(vocab):
+    """The two-level argmax equals argmax with NaN read as +inf: ties go to the lowest index,
+    rows of -inf to 0, at vocabulary sizes below, at and past one block, and uneven."""
+    from models import argmax_last
+
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 3, (9, vocab)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2, rng.integers(vocab)] = np.nan
+    x[3] = rng.standard_normal(vocab)
+    x[3, -1] = 100.0  # the maximum in the padded last block
+    x[4, :] = 5.0
+    x[5, rng.integers(vocab, size=2)] = np.inf
+    if vocab > 1:
+        x[6, -1], x[6, :-1] = np.nan, -np.inf
+    x[7, -1], x[7, 0] = np.nan, np.inf  # +inf first: NaN is its tie
+    want = np.argmax(np.where(np.isnan(x), np.inf, x), axis=-1)
+    got = jax.jit(argmax_last)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), want)
+    # Leading batch axes work as with argmax.
+    x3 = jnp.asarray(x).reshape(3, 3, vocab)
+    np.testing.assert_array_equal(np.asarray(argmax_last(x3)), want.reshape(3, 3))
