@@ -105,7 +105,8 @@ class KVCache:
 
 
 def scatter(cache: KVCache, layer, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
-    """The traceable form of `write` (call it inside your own jit; donate the cache there)."""
+    """The traceable form of `write` (call it inside your own jit; donate the cache there).
+    Non-finite K/V values are stored as 0 (see below)."""
     bs = cache.block_size
     if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (cache.k.shape[1], cache.k.shape[4]):
         raise ValueError(
@@ -116,6 +117,11 @@ def scatter(cache: KVCache, layer, k: jax.Array, v: jax.Array, slots: jax.Array)
         raise ValueError(f"{slots.shape=} must be [{k.shape[0]}]")
     slots = slots.astype(jnp.int32)
     blk, off = slots // bs, slots % bs
+    # Non-finite K/V are stored as 0. A page's slots past its sequence's end keep what an
+    # earlier owner wrote, and the XLA attention reads them with weight 0 (masked, not
+    # zeroed); a NaN or inf there would turn 0 * x into NaN for a later, healthy sequence.
+    k = jnp.where(jnp.isfinite(k), k, jnp.zeros((), k.dtype))
+    v = jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))
     # One scatter into the 5-D array (in place when donated). The advanced indices (layer, blk,
     # off) are split by a slice, so the indexed view is [T, KVH, D], the layout of k.
     return cache.replace(
@@ -128,7 +134,8 @@ write = jax.jit(scatter, donate_argnums=0)
 write.__doc__ = """write(cache, layer, k[T,KVH,D], v[T,KVH,D], slots i32[T]) -> cache.
 
 Stores each token's K/V at its slot in layer `layer` (int, may be traced), in place (the cache
-is donated). Several tokens on one slot (padding, slot 0) leave one of them there."""
+is donated); NaN and inf are stored as 0. Several tokens on one slot (padding, slot 0) leave
+one of them there."""
 
 
 def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:

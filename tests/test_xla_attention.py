@@ -91,3 +91,53 @@ def test_dispatch_routes_xla():
     np.testing.assert_allclose(
         out, paged_attention_decode_reference(*args, scale=0.2), atol=2e-5, rtol=2e-5
     )
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_unreached_pages_may_hold_nan(window):
+    """Pages a sequence's table names but no query reaches (past its end, before its window)
+    are never read with weight 0: filled with NaN, the output stays the reference's. (The
+    unused slots of a sequence's own last page are finite by the engine's contract:
+    `kv_cache.scatter` stores non-finite K/V as 0.)"""
+    bs, kvh, group, d = 4, 2, 2, 16
+    rng = np.random.default_rng(7)
+    lens = [3, 9, 17, 30]
+    case = make_paged_case(
+        rng, lens, block_size=bs, num_kv_heads=kvh, head_dim=d, null_fill=np.nan, extra_pages=3
+    )
+    k_pages = np.asarray(case.k_pages).copy()
+    v_pages = np.asarray(case.v_pages).copy()
+    tables = np.asarray(case.block_tables).copy()
+    n = k_pages.shape[1]
+    nan_page = n  # one extra page, all NaN
+    k_pages = np.concatenate([k_pages, np.full_like(k_pages[:, :1], np.nan)], axis=1)
+    v_pages = np.concatenate([v_pages, np.full_like(v_pages[:, :1], np.nan)], axis=1)
+    for s, length in enumerate(lens):
+        tables[s, -(-length // bs) :] = nan_page  # past the end
+    ref_tables = tables.copy()
+    if window is not None:
+        for s, length in enumerate(lens):
+            dead = max(0, (length - window) // bs)  # pages wholly before the last query's window
+            tables[s, :dead] = nan_page
+    q, _ = rand_q(rng, (len(lens), kvh * group, d), jnp.float32)
+    kw = dict(scale=0.2, sliding_window=window)
+    args = (q, jnp.asarray(k_pages), jnp.asarray(v_pages))
+    out = xla_paged_attention_decode(
+        *args, jnp.asarray(tables), case.kv_lens, pages_per_chunk=2, **kw
+    )
+    ref = paged_attention_decode_reference(*args, jnp.asarray(ref_tables), case.kv_lens, **kw)
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(out, ref, **TOL[jnp.float32])
+    # The ragged form (a prefill chunk's last rows) reads the same pages.
+    q_len = np.minimum(np.asarray(lens), 3)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_len)]), jnp.int32)
+    qr, _ = rand_q(rng, (int(q_len.sum()), kvh * group, d), jnp.float32)
+    ra = (qr, *args[1:])
+    got = xla_ragged_paged_attention(
+        *ra, jnp.asarray(tables), case.kv_lens, cu, jnp.int32(len(lens)), pages_per_chunk=2, **kw
+    )
+    want = ragged_paged_attention_reference(
+        *ra, jnp.asarray(ref_tables), case.kv_lens, cu, jnp.int32(len(lens)), **kw
+    )
+    assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(got, want, **TOL[jnp.float32])
