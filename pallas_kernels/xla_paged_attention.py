@@ -22,8 +22,11 @@ heads per KV head) make a real matmul. Decode steps (``T <= S``) use ``block_q =
 The pages are stacked over layers (``[L, KVH, N, bs, D]``) and gathered through ``layer`` as
 whole ``(bs, D)`` rows of the flattened pool, so no per-layer copy of the pool is ever made.
 
-Masked logits become -inf and masked V rows are zeroed first, so garbage (even NaN) in the null
-block or past a sequence's length never reaches the output. Rows that see no key give 0.
+Masked logits become -inf. A page that no row of a block sees (the null block, table entries
+past a sequence's end or wholly before its window) is read from a page the sequence owns
+instead, so garbage there, even NaN, never reaches the output through ``0 * NaN``. The unused
+slots of an owned page must be finite: the engine's are (the pool starts at zero and
+`jax_paged.kv_cache.scatter` stores non-finite K/V as 0). Rows that see no key give 0.
 """
 
 from __future__ import annotations
