@@ -71,7 +71,8 @@ class SequenceOutput:
       detok: its incremental detokenizer (None without a tokenizer).
       text: the text to report (final once the sequence finished).
       logprobs: per generated token, when the request asked for them.
-      cum_logprob: sum of the generated tokens' log-probabilities.
+      cum_logprob: sum of the generated tokens' log-probabilities, when the request asked for
+        log-probs (None otherwise: the device does not compute them).
       stop_at: characters of text kept after a stop string was found.
       tail: the end of the text, as long as the longest stop string minus one.
     """
@@ -79,7 +80,7 @@ class SequenceOutput:
     detok: IncrementalDetokenizer | None = None
     text: str = ""
     logprobs: list[LogprobsDict] | None = None
-    cum_logprob: float = 0.0
+    cum_logprob: float | None = None
     stop_at: int | None = None
     tail: str = ""
 
@@ -153,7 +154,11 @@ class OutputProcessor:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             out.append(
-                SequenceOutput(detok=detok, logprobs=[] if params.logprobs is not None else None)
+                SequenceOutput(
+                    detok=detok,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cum_logprob=0.0 if params.logprobs is not None else None,
+                )
             )
         return out
 
@@ -182,8 +187,8 @@ class OutputProcessor:
         for j, t in enumerate(tokens):
             s.output_token_ids.append(t)
             kept += 1
-            so.cum_logprob += lps[j]
             if so.logprobs is not None:
+                so.cum_logprob += lps[j]
                 so.logprobs.append(
                     make_logprobs_dict(
                         t, lps[j], ranks[j], top_ids[j], top_lps[j], p.logprobs, self.decode_token

@@ -173,6 +173,18 @@ def test_stop_tokens_logprobs_and_finish_reasons(tiny_llama, workload):
         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
     )[0].outputs[0]
     assert len(out.token_ids) == 9 and out.finish_reason == "length"
+    assert out.cumulative_logprob is None and out.logprobs is None  # not asked: not computed
+    # logprobs=0: the sampled tokens' own log-probs (one entry each), summed as with top-3.
+    own = llm.generate(
+        [{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": prompts[1]}],
+        [SamplingParams(temperature=0, max_tokens=5, logprobs=0), SamplingParams(max_tokens=5)],
+    )
+    first = own[0].outputs[0]
+    assert [list(lp) for lp in first.logprobs] == [[t] for t in first.token_ids]
+    assert first.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for t, lp in zip(first.token_ids, first.logprobs, strict=True)), rel=1e-5
+    )
+    assert first.cumulative_logprob < 0 and own[1].outputs[0].cumulative_logprob is None
     _assert_pool_empty(llm)
 
 

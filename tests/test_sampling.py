@@ -400,16 +400,27 @@ def test_logprobs_are_raw_log_softmax():
     out0 = sample_jit(jnp.asarray(logits), tensors, state, KEY)
     assert out0.top_ids.shape == (len(PARAMS), 0)
     np.testing.assert_array_equal(out0.tokens, out.tokens)
-    # With N static but no row asking, the top-N is skipped at run time (zeros); the sampled
-    # tokens and their own log-probs do not change.
+    # With N static and a row asking for logprobs=0 only, the top-N is skipped at run time
+    # (zeros); the sampled tokens and their own log-probs do not change.
+    only_own = [dataclasses.replace(PARAMS[0], logprobs=0)] + list(PARAMS[1:])
     quiet = SamplingTensors.from_params(
-        PARAMS, vocab_size=V, eos_token_ids=EOS, request_uids=range(len(PARAMS))
+        only_own, vocab_size=V, eos_token_ids=EOS, request_uids=range(len(PARAMS))
     )
     out1 = sample_jit(jnp.asarray(logits), quiet, state, KEY, num_top_logprobs=5)
     assert out1.top_ids.shape == (len(PARAMS), 5)
     np.testing.assert_array_equal(out1.top_ids, 0)
     np.testing.assert_array_equal(out1.tokens, out.tokens)
     np.testing.assert_allclose(out1.logprobs, out.logprobs)
+    np.testing.assert_array_equal(out1.ranks, out.ranks)
+    # No row asking at all (logprobs=None everywhere): nothing is computed, zeros come back.
+    none = SamplingTensors.from_params(
+        PARAMS, vocab_size=V, eos_token_ids=EOS, request_uids=range(len(PARAMS))
+    )
+    assert all(p.logprobs is None for p in PARAMS)
+    out2 = sample_jit(jnp.asarray(logits), none, state, KEY, num_top_logprobs=5)
+    np.testing.assert_array_equal(out2.tokens, out.tokens)
+    np.testing.assert_array_equal(out2.logprobs, 0)
+    np.testing.assert_array_equal(out2.ranks, 0)
 
 
 def test_prompt_logprobs():
