@@ -425,14 +425,17 @@ def sample(
     if greedy_only:
         tokens = argmax_last(apply_penalties(raw, tensors, state))
         return SamplerOutput(tokens, *_logprobs(raw, tokens, tensors, num_top_logprobs))
-    x = process_logits(raw, tensors, state, max_candidates=max_candidates)
     greedy = tensors.temperature == 0.0
 
-    def draw(x):
-        return jnp.where(greedy, argmax, _draw(x, _row_keys(tensors, state, key)))
+    def all_greedy(raw):  # what process_logits leaves a greedy row: the penalised logits
+        return argmax_last(apply_penalties(raw, tensors, state))
 
-    argmax = argmax_last(x)
-    tokens = lax.cond(jnp.all(greedy), lambda x: argmax, draw, x)
+    def mixed(raw):
+        x = process_logits(raw, tensors, state, max_candidates=max_candidates)
+        return jnp.where(greedy, argmax_last(x), _draw(x, _row_keys(tensors, state, key)))
+
+    # An all-greedy batch skips the temperature and filter passes over [B, V] altogether.
+    tokens = lax.cond(jnp.all(greedy), all_greedy, mixed, raw)
     return SamplerOutput(tokens, *_logprobs(raw, tokens, tensors, num_top_logprobs))
 
 
