@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +63,12 @@ def test_bench_decode_quick(tiny_llama, capsys):
     ):
         assert v > 0
     assert row["pool_spread"] >= 0
+    # One repeat: the paired (within-repeat) figures are that repeat's own ratios.
+    slowest = min(row["paged"][pool]["runs_tokens_per_s"][0] for pool in res["pools"])
+    fastest = max(row["paged"][pool]["runs_tokens_per_s"][0] for pool in res["pools"])
+    assert row["paired"]["pool_spread"] == pytest.approx(fastest / slowest - 1, abs=1e-3)
+    hf_run = row["hf"]["runs_tokens_per_s"][0]
+    assert row["paired"]["paged_over_hf"] == pytest.approx(slowest / hf_run, rel=1e-3)
 
 
 def test_hf_tensors_per_layer_and_stacked_agree():
