@@ -67,6 +67,23 @@ def _unk(tokens: list[str], unk_id: int | None) -> str:
     return tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else "<unk>"
 
 
+def _byte_fallback_bpe(
+    tokens: list[str], vocab: dict[str, int], rank: dict[str, float], unk_id: int | None
+) -> tokenizers.Tokenizer:
+    """A SentencePiece-style BPE with byte fallback over ``vocab``, its merges derived from the
+    vocabulary (`_derived_merges`) in the order ``rank`` gives (higher first); the callers add
+    their normaliser, pre-tokenizer and decoder."""
+    return tokenizers.Tokenizer(
+        tokenizers.models.BPE(
+            vocab=vocab,
+            merges=_derived_merges(vocab, rank),
+            unk_token=_unk(tokens, unk_id),
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+
+
 def _gemma_backend(tokens: list[str], unk_id: int | None) -> tuple[tokenizers.Tokenizer, dict]:
     """Gemma's BPE (byte fallback, spaces as "\u2581", no prefix space) from a GGUF vocabulary.
 
@@ -78,16 +95,7 @@ def _gemma_backend(tokens: list[str], unk_id: int | None) -> tuple[tokenizers.To
     """
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = _derived_merges(vocab, {t: -i for t, i in vocab.items()})
-    backend = tokenizers.Tokenizer(
-        tokenizers.models.BPE(
-            vocab=vocab,
-            merges=merges,
-            unk_token=_unk(tokens, unk_id),
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
+    backend = _byte_fallback_bpe(tokens, vocab, {t: -i for t, i in vocab.items()}, unk_id)
     backend.normalizer = normalizers.Replace(" ", "\u2581")
     backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     backend.decoder = decoders.Sequence(
@@ -104,16 +112,7 @@ def _llama_backend(
     ranked by the file's scores, spaces as "\u2581" with one prepended to the text, the
     decoder stripping it again. Returns (backend, vocab token -> id)."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = _derived_merges(vocab, dict(zip(tokens, scores, strict=True)))
-    backend = tokenizers.Tokenizer(
-        tokenizers.models.BPE(
-            vocab=vocab,
-            merges=merges,
-            unk_token=_unk(tokens, unk_id),
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
+    backend = _byte_fallback_bpe(tokens, vocab, dict(zip(tokens, scores, strict=True)), unk_id)
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="\u2581", prepend_scheme="first", split=False
     )
