@@ -102,10 +102,21 @@ class TinyGPT(nnx.Module):
         return self.forward(tokens, pos, attn, None)[0]
 
 
+@nnx.jit
+def _dense_logits(model: TinyGPT, tokens: jax.Array) -> jax.Array:
+    return model(tokens)
+
+
 def dense_greedy(model: TinyGPT, prompt, max_tokens: int) -> list[int]:
-    """Greedy decoding by recomputing the whole sequence each step (the oracle; tiny model)."""
+    """Greedy decoding by recomputing the whole sequence each step (the oracle; tiny model).
+
+    The sequence is right-padded to a multiple of 32 tokens (causality keeps the padding out of
+    the real positions), so a few compiled shapes serve every step of every prompt.
+    """
     seq = list(prompt)
+    width = -(-(len(seq) + max_tokens) // 32) * 32
     for _ in range(max_tokens):
-        logits = model(jnp.asarray([seq], jnp.int32))
-        seq.append(int(jnp.argmax(logits[0, -1])))
+        tokens = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
+        logits = _dense_logits(model, tokens)
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt) :]
