@@ -48,6 +48,16 @@ def stacked_pages(k_pages: jax.Array, v_pages: jax.Array, layer):
     return k_pages, v_pages, layer
 
 
+def _count_le(sorted_: jax.Array, x: jax.Array) -> jax.Array:
+    """``searchsorted(sorted_, x, side="right")`` as i32: how many entries are <= each x.
+
+    One fused compare-and-count ([len(x), len(sorted_)], 512 x 257 at most in the engine)
+    instead of jnp's default binary search, a while loop that XLA runs op by op: in a decode
+    step the attention of every layer ran two of them.
+    """
+    return jnp.sum(sorted_[None, :] <= x[:, None], axis=1, dtype=jnp.int32)
+
+
 class RaggedRows(NamedTuple):
     """A ragged batch's rows mapped to their sequences (S slots, T rows)."""
 
@@ -78,7 +88,7 @@ def ragged_rows(
     pos0 = kv_lens.astype(jnp.int32) - q_len  # [S]
     rows = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
     # Row t belongs to the first s with t < cu[s+1]; side="right" skips empty sequences.
-    seq = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, s - 1).astype(jnp.int32)
+    seq = jnp.clip(_count_le(cu[1:], rows), 0, s - 1)
     live = (rows >= cu[0]) & (rows < cu[s])
     pos = jnp.where(live, pos0[seq] + (rows - cu[seq]), -1)
     return RaggedRows(cu, q_len, pos0, n_live, seq, pos, live)
@@ -111,7 +121,7 @@ def query_blocks(
     r = ragged_rows(num_tokens, kv_lens, cu_q_lens, num_seqs)
     cu_blk = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(-(-r.q_len // block_q))])
     blk = jnp.arange(nb, dtype=jnp.int32)
-    blk_seq = jnp.clip(jnp.searchsorted(cu_blk, blk, side="right") - 1, 0, s - 1)
+    blk_seq = jnp.clip(_count_le(cu_blk, blk) - 1, 0, s - 1)
     first = (blk - cu_blk[blk_seq]) * block_q  # first row's offset in its sequence
     blk_num = jnp.where(blk < cu_blk[s], jnp.clip(r.q_len[blk_seq] - first, 0, block_q), 0)
     off = jnp.arange(num_tokens, dtype=jnp.int32) - r.cu[r.seq]  # each row's offset in its seq
