@@ -42,9 +42,31 @@ from pallas_kernels.layout import decode_as_ragged, query_blocks, stacked_pages
 __all__ = ["xla_paged_attention_decode", "xla_ragged_paged_attention"]
 
 
+# Bytes of one gathered K (or V) chunk of a tile of query blocks: within the L2 cache of one
+# core (2 MiB on the machines this was tuned on) the chunk is still cached when q.k and p.v
+# read it back.
+_TILE_BYTES = 2 << 20
+
+
+def _tile_blocks(nb: int, chunk_bytes_per_block: int) -> int:
+    """Query blocks per tile (static): all ``nb`` when their chunk fits `_TILE_BYTES`, else
+    the fewest equal tiles that fit (at least 8 blocks each)."""
+    most = max(8, _TILE_BYTES // max(1, chunk_bytes_per_block))
+    if nb <= most:
+        return nb
+    return -(-nb // -(-nb // most))
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "sliding_window", "soft_cap", "pages_per_chunk", "block_q"),
+    static_argnames=(
+        "scale",
+        "sliding_window",
+        "soft_cap",
+        "pages_per_chunk",
+        "block_q",
+        "tile_blocks",
+    ),
 )
 def xla_ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
@@ -61,12 +83,16 @@ def xla_ragged_paged_attention(
     soft_cap: float | None = None,
     pages_per_chunk: int = 2,
     block_q: int | None = None,
+    tile_blocks: int | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention (contract of docs/DESIGN.md); see the module docstring.
 
     ``block_q`` (static): query rows per block; default 1 for a decode step (``T <= S``), else
     8 (on 2 CPU cores, 30 layers of a 512-token prefill of 11 prompts of 21-70 tokens: 64 ms
     against 83 ms with 16, whose blocks carry more padding rows).
+
+    ``tile_blocks`` (static): query blocks per tile of the chunk loop; default `_tile_blocks`'s
+    choice, every block in one tile unless their gathered chunk outgrows the L2 cache.
     """
     k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
     t, h, d = q.shape
@@ -99,62 +125,86 @@ def xla_ragged_paged_attention(
     row_pos = jnp.repeat(pos, g, axis=1)  # [NB, bq*G], row r is query r // G of the block
     tables = block_tables[blk_seq]  # [NB, P]
 
-    lo = jnp.where(pos >= 0, pos - (sliding_window or 1 << 30) + 1, 1 << 30)
-    first = jnp.clip(jnp.min(lo), 0, None) // ck
-    last = jnp.max(pos) // ck  # -1 when no row is live: the loop does not run
     head_row = (layer * kvh + jnp.arange(kvh, dtype=jnp.int32)) * n  # [KVH] first row of head
-    # The page holding each block's last live row: the sequence owns it (that row's K/V was just
-    # written there). Pages no row of the block sees are read from it instead (see `body`).
-    own_page = jnp.take_along_axis(
-        tables, jnp.clip(jnp.max(pos, axis=1) // bs, 0, p - 1)[:, None], 1
-    )
 
-    def body(ci, carry):
-        m, l, acc = carry
-        blk = ci * c + jnp.arange(c, dtype=jnp.int32)  # [C] logical blocks of this chunk
-        ids = jnp.take(tables, jnp.clip(blk, 0, p - 1), axis=1)  # [NB, C]
-        kpos = ci * ck + jnp.arange(ck, dtype=jnp.int32)  # [C*bs]
-        mask = (kpos[None, None, :] <= row_pos[:, :, None]) & (kpos < p * bs)  # [NB, M, C*bs]
-        if sliding_window is not None:
-            mask &= row_pos[:, :, None] - kpos[None, None, :] < sliding_window
-        # A page no row of the block sees (past the sequence's end, out of the window, a null
-        # entry) may hold anything, even NaN, and 0 * NaN is not 0: it is read from the block's
-        # own page instead, whose unused slots hold finite values (the pool starts at zero and
-        # `kv_cache.scatter` stores non-finite K/V as 0). Its keys are masked all the same.
-        # This costs a [NB, C] select; zeroing the masked V rows cost 15% of decode attention.
-        seen = jnp.any(mask, axis=1).reshape(nb, c, bs).any(-1)  # [NB, C]
-        ids = jnp.where(seen, ids, own_page)
-        # Whole (bs, D) pages as rows of the flattened pool, laid out [NB, KVH, C*bs, D] so the
-        # batched matmuls below need no transpose.
-        r = head_row[None, :, None] + ids[:, None, :]  # [NB, KVH, C]
-        k = k_rows[r].reshape(nb, kvh, ck, d).astype(jnp.float32)
-        v = v_rows[r].reshape(nb, kvh, ck, d).astype(jnp.float32)
-        # Masked scores are replaced below (a where, so garbage K never matters).
-        if small:  # [NB, KVH, M, C*bs]
-            sc = (qb[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1)
-        else:
-            sc = jnp.einsum("bkmd,bknd->bkmn", qb, k)
-        if soft_cap is not None:
-            sc = soft_cap * jnp.tanh(sc / soft_cap)
-        sc = jnp.where(mask[:, None], sc, -jnp.inf)
-        m_new = jnp.maximum(m, sc.max(-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        pr = jnp.exp(sc - m_safe[..., None])  # masked -> 0
-        corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        l = l * corr + pr.sum(-1)
-        if small:
-            pv = (pr[..., None] * v[:, :, None, :, :]).sum(3)
-        else:
-            pv = jnp.einsum("bkmn,bknd->bkmd", pr, v)
-        acc = acc * corr[..., None] + pv
-        return m_new, l, acc
+    def attend(qb, pos, row_pos, tables):
+        """The chunk loop over one tile of query blocks: (l, acc) of the online softmax."""
+        nb = qb.shape[0]
+        lo = jnp.where(pos >= 0, pos - (sliding_window or 1 << 30) + 1, 1 << 30)
+        first = jnp.clip(jnp.min(lo), 0, None) // ck
+        last = jnp.max(pos) // ck  # -1 when no row is live: the loop does not run
+        # The page holding each block's last live row: the sequence owns it (that row's K/V was just
+        # written there). Pages no row of the block sees are read from it instead (see `body`).
+        own_page = jnp.take_along_axis(
+            tables, jnp.clip(jnp.max(pos, axis=1) // bs, 0, p - 1)[:, None], 1
+        )
 
-    init = (
-        jnp.full((nb, kvh, mr), -jnp.inf, jnp.float32),
-        jnp.zeros((nb, kvh, mr), jnp.float32),
-        jnp.zeros((nb, kvh, mr, d), jnp.float32),
-    )
-    _, l, acc = lax.fori_loop(first, last + 1, body, init)
+        def body(ci, carry):
+            m, l, acc = carry
+            blk = ci * c + jnp.arange(c, dtype=jnp.int32)  # [C] logical blocks of this chunk
+            ids = jnp.take(tables, jnp.clip(blk, 0, p - 1), axis=1)  # [NB, C]
+            kpos = ci * ck + jnp.arange(ck, dtype=jnp.int32)  # [C*bs]
+            mask = (kpos[None, None, :] <= row_pos[:, :, None]) & (kpos < p * bs)  # [NB, M, C*bs]
+            if sliding_window is not None:
+                mask &= row_pos[:, :, None] - kpos[None, None, :] < sliding_window
+            # A page no row of the block sees (past the sequence's end, out of the window, a null
+            # entry) may hold anything, even NaN, and 0 * NaN is not 0: it is read from the block's
+            # own page instead, whose unused slots hold finite values (the pool starts at zero and
+            # `kv_cache.scatter` stores non-finite K/V as 0). Its keys are masked all the same.
+            # This costs a [NB, C] select; zeroing the masked V rows cost 15% of decode attention.
+            seen = jnp.any(mask, axis=1).reshape(nb, c, bs).any(-1)  # [NB, C]
+            ids = jnp.where(seen, ids, own_page)
+            # Whole (bs, D) pages as rows of the flattened pool, laid out [NB, KVH, C*bs, D] so the
+            # batched matmuls below need no transpose.
+            r = head_row[None, :, None] + ids[:, None, :]  # [NB, KVH, C]
+            k = k_rows[r].reshape(nb, kvh, ck, d).astype(jnp.float32)
+            v = v_rows[r].reshape(nb, kvh, ck, d).astype(jnp.float32)
+            # Masked scores are replaced below (a where, so garbage K never matters).
+            if small:  # [NB, KVH, M, C*bs]
+                sc = (qb[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1)
+            else:
+                sc = jnp.einsum("bkmd,bknd->bkmn", qb, k)
+            if soft_cap is not None:
+                sc = soft_cap * jnp.tanh(sc / soft_cap)
+            sc = jnp.where(mask[:, None], sc, -jnp.inf)
+            m_new = jnp.maximum(m, sc.max(-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            pr = jnp.exp(sc - m_safe[..., None])  # masked -> 0
+            corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+            l = l * corr + pr.sum(-1)
+            if small:
+                pv = (pr[..., None] * v[:, :, None, :, :]).sum(3)
+            else:
+                pv = jnp.einsum("bkmn,bknd->bkmd", pr, v)
+            acc = acc * corr[..., None] + pv
+            return m_new, l, acc
+
+        init = (
+            jnp.full((nb, kvh, mr), -jnp.inf, jnp.float32),
+            jnp.zeros((nb, kvh, mr), jnp.float32),
+            jnp.zeros((nb, kvh, mr, d), jnp.float32),
+        )
+        _, l, acc = lax.fori_loop(first, last + 1, body, init)
+        return l, acc
+
+    # Query blocks go in tiles whose gathered K (or V) chunk stays within the L2 cache
+    # (`_tile_blocks`), each with its own loop from its own first to its own last chunk: at
+    # batch 256 the chunks of one loop over every block (6 MiB of K for SmolLM2) spilled the
+    # cache and attention cost 40% more per token than at batch 64.
+    tile = min(nb, tile_blocks or _tile_blocks(nb, kvh * ck * d * 4))
+    if tile == nb:
+        l, acc = attend(qb, pos, row_pos, tables)
+    else:
+        nt = -(-nb // tile)
+
+        def tiles(x, fill):  # [NB, ...] -> [nt, tile, ...], padded with blocks that see nothing
+            x = jnp.concatenate([x, jnp.full((nt * tile - nb, *x.shape[1:]), fill, x.dtype)])
+            return x.reshape(nt, tile, *x.shape[1:])
+
+        xs = (tiles(qb, 0.0), tiles(pos, -1), tiles(row_pos, -1), tiles(tables, 0))
+        l, acc = lax.map(lambda x: attend(*x), xs)
+        l = l.reshape(nt * tile, *l.shape[2:])[:nb]
+        acc = acc.reshape(nt * tile, *acc.shape[2:])[:nb]
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     # [NB, KVH, bq*G, D] -> [NB * bq, H, D] -> each token's row.
     out = out.reshape(nb, kvh, bq, g, d).transpose(0, 2, 1, 3, 4).reshape(nb * bq, h, d)
@@ -170,7 +220,7 @@ def xla_paged_attention_decode(q, k_pages, v_pages, block_tables, kv_lens, **opt
       q: ``[B, H, D]``; k_pages, v_pages: ``[L, KVH, N, bs, D]`` (or one layer's
         ``[KVH, N, bs, D]``) in ``q.dtype``; block_tables: ``i32[B, P]``; kv_lens: ``i32[B]``.
       options: the keywords of `xla_ragged_paged_attention` but ``block_q``: ``layer``,
-        ``scale``, ``sliding_window``, ``soft_cap``, ``pages_per_chunk``.
+        ``scale``, ``sliding_window``, ``soft_cap``, ``pages_per_chunk``, ``tile_blocks``.
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
     """

@@ -12,6 +12,8 @@ from pallas_kernels import (
     ragged_paged_attention_reference,
 )
 from pallas_kernels.xla_paged_attention import (
+    _TILE_BYTES,
+    _tile_blocks,
     xla_paged_attention_decode,
     xla_ragged_paged_attention,
 )
@@ -33,8 +35,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("tile", [None, 4])
 @pytest.mark.parametrize("bs,kvh,group,head_dim,dtype,window,cap,chunk", CASES)
-def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, chunk):
+def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, chunk, tile):
+    """``tile=4``: six sequences in two tiles of query blocks, the second padded."""
     rng = np.random.default_rng(bs + 10 * group)
     lens = [0, 1, bs - 1, bs, bs + 1, LONG]
     case = make_paged_case(
@@ -43,7 +47,7 @@ def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, 
     q, _ = rand_q(rng, (len(lens), kvh * group, head_dim), dtype)
     args = (q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens)
     kw = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
-    out = xla_paged_attention_decode(*args, pages_per_chunk=chunk, **kw)
+    out = xla_paged_attention_decode(*args, pages_per_chunk=chunk, tile_blocks=tile, **kw)
     ref = paged_attention_decode_reference(*args, **kw)
     assert out.shape == q.shape and out.dtype == dtype
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
@@ -51,11 +55,16 @@ def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, 
     np.testing.assert_allclose(out.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
 
 
-@pytest.mark.parametrize("block_q", [None, 1, 3, 16])
+@pytest.mark.parametrize(
+    "block_q,tile", [(None, None), (1, None), (3, None), (16, None), (1, 5), (3, 2)]
+)
 @pytest.mark.parametrize("bs,kvh,group,head_dim,dtype,window,cap,chunk", CASES)
-def test_ragged_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, chunk, block_q):
+def test_ragged_matches_reference(
+    bs, kvh, group, head_dim, dtype, window, cap, chunk, block_q, tile
+):
     """Every query-block size (None: the default for the shape) gives the reference's rows:
-    blocks split sequences, padding blocks and rows, empty sequences, garbage past num_seqs."""
+    blocks split sequences, padding blocks and rows, empty sequences, garbage past num_seqs;
+    so do the blocks cut into tiles of ``tile`` (each with its own chunk loop)."""
     rng = np.random.default_rng(100 + bs + group)
     kv_lens, q_lens, num_seqs, rows = mixed_batch(bs)
     case = make_paged_case(
@@ -73,13 +82,28 @@ def test_ragged_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, 
     args = (q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens, jnp.asarray(cu))
     kw = dict(scale=0.15, sliding_window=window, soft_cap=cap)
     out = xla_ragged_paged_attention(
-        *args, jnp.int32(num_seqs), pages_per_chunk=chunk, block_q=block_q, **kw
+        *args,
+        jnp.int32(num_seqs),
+        pages_per_chunk=chunk,
+        block_q=block_q,
+        tile_blocks=tile,
+        **kw,
     )
     ref = ragged_paged_attention_reference(*args, jnp.int32(num_seqs), **kw)
     assert out.shape == q.shape and out.dtype == dtype
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     np.testing.assert_array_equal(out[cu[num_seqs] :], 0)  # padding rows
     np.testing.assert_allclose(out.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
+
+
+def test_tile_sizes():
+    """All blocks in one tile while their chunk fits the budget; else the fewest equal tiles
+    (SmolLM2 at batch 256: 3 KV heads x 32 keys x 64 dims x 4 bytes per block -> 4 tiles of 64)."""
+    assert _tile_blocks(64, 3 * 32 * 64 * 4) == 64
+    assert _tile_blocks(256, 3 * 32 * 64 * 4) == 64
+    assert _tile_blocks(128, 3 * 32 * 64 * 4) == 64
+    assert _tile_blocks(100, _TILE_BYTES) == 8  # at least 8 blocks a tile
+    assert _tile_blocks(5, _TILE_BYTES) == 5
 
 
 def test_dispatch_routes_xla():
