@@ -1,8 +1,8 @@
 """Tensor parallelism on 8 emulated CPU devices (issue 13): greedy outputs at
 tensor_parallel_size 2, 4 and 8 equal one device's and HF's, with KV heads that divide the
-devices and ones that need replicating; n > 1, prefix caching and preemption sharded; each
-device holds only its share of the weights and of the KV pages; the research API under a user
-Mesh; head counts a mesh cannot serve refused.
+devices and ones that need replicating, Gemma 3 and Gemma 2 among them; n > 1, prefix caching
+and preemption sharded; each device holds only its share of the weights and of the KV pages;
+the research API under a user Mesh; head counts a mesh cannot serve refused.
 
 Needs 8 devices, so it runs in its own process (`.ci/run`):
 
@@ -20,7 +20,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import hf_greedy, make_tiny_llama, oracle, research_greedy
+from conftest import build_tiny_hf_model, hf_greedy, make_tiny_llama, oracle, research_greedy
 from jax.sharding import Mesh
 
 import models
@@ -77,6 +77,23 @@ def _clean(llm):
 @pytest.mark.parametrize("model,tp", [("gqa_4_2", 2), ("gqa_4_2", 4), ("gqa_8_2", 8)])
 def test_greedy_equals_one_device_and_hf(request, model, tp):
     path, hf = request.getfixturevalue(model)
+    kw = dict(num_kv_blocks=64, block_size=4, max_num_seqs=4)
+    one = _greedy(LLM(str(path), **kw), PROMPTS)
+    llm = LLM(str(path), tensor_parallel_size=tp, **kw)
+    assert _greedy(llm, PROMPTS) == one
+    assert one == [hf_greedy(hf, p, 12, eos=False) for p in PROMPTS]
+    _clean(llm)
+
+
+@pytest.mark.parametrize("name,tp", [("gemma3_gqa1", 4), ("gemma2_gqa2", 2)])
+def test_gemma_greedy_equals_one_device_and_hf(tmp_path_factory, name, tp):
+    """Gemma 3 (local and global layers, two RoPE bases, q/k norms) and Gemma 2 (attention
+    soft cap) sharded over their KV heads."""
+    from test_gemma import SPECS  # the tiny Gemma configurations of tests/test_gemma.py
+
+    hf = build_tiny_hf_model(SPECS[name])
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
     kw = dict(num_kv_blocks=64, block_size=4, max_num_seqs=4)
     one = _greedy(LLM(str(path), **kw), PROMPTS)
     llm = LLM(str(path), tensor_parallel_size=tp, **kw)
