@@ -74,15 +74,19 @@ def _clean(llm):
     assert int(bm.num_free_blocks(st)) == llm.engine.num_blocks - 1
 
 
-@pytest.mark.parametrize("model,tp", [("gqa_4_2", 2), ("gqa_4_2", 4), ("gqa_8_2", 8)])
-def test_greedy_equals_one_device_and_hf(request, model, tp):
-    path, hf = request.getfixturevalue(model)
+def _assert_tp_equals_one_device_and_hf(path, hf, tp: int) -> None:
     kw = dict(num_kv_blocks=64, block_size=4, max_num_seqs=4)
     one = _greedy(LLM(str(path), **kw), PROMPTS)
     llm = LLM(str(path), tensor_parallel_size=tp, **kw)
     assert _greedy(llm, PROMPTS) == one
     assert one == [hf_greedy(hf, p, 12, eos=False) for p in PROMPTS]
     _clean(llm)
+
+
+@pytest.mark.parametrize("model,tp", [("gqa_4_2", 2), ("gqa_4_2", 4), ("gqa_8_2", 8)])
+def test_greedy_equals_one_device_and_hf(request, model, tp):
+    path, hf = request.getfixturevalue(model)
+    _assert_tp_equals_one_device_and_hf(path, hf, tp)
 
 
 @pytest.mark.parametrize("name,tp", [("gemma3_gqa1", 4), ("gemma2_gqa2", 2)])
@@ -94,12 +98,7 @@ def test_gemma_greedy_equals_one_device_and_hf(tmp_path_factory, name, tp):
     hf = build_tiny_hf_model(SPECS[name])
     path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)
-    kw = dict(num_kv_blocks=64, block_size=4, max_num_seqs=4)
-    one = _greedy(LLM(str(path), **kw), PROMPTS)
-    llm = LLM(str(path), tensor_parallel_size=tp, **kw)
-    assert _greedy(llm, PROMPTS) == one
-    assert one == [hf_greedy(hf, p, 12, eos=False) for p in PROMPTS]
-    _clean(llm)
+    _assert_tp_equals_one_device_and_hf(path, hf, tp)
 
 
 def test_each_device_holds_its_share(gqa_8_2):
