@@ -114,7 +114,9 @@ def dense_greedy(model: TinyGPT, prompt, max_tokens: int) -> list[int]:
     the real positions), so a few compiled shapes serve every step of every prompt.
     """
     seq = list(prompt)
-    width = -(-(len(seq) + max_tokens) // 32) * 32
+    need = len(seq) + max_tokens
+    # No wider than the position table (a padded position past it would embed as NaN).
+    width = max(need, min(-(-need // 32) * 32, model.config.max_position_embeddings))
     for _ in range(max_tokens):
         tokens = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
         logits = _dense_logits(model, tokens)

@@ -160,3 +160,14 @@ def test_readme_example_runs():
     toks = list(scope["outs"][0].outputs[0].token_ids)
     assert 0 < len(toks) <= 8
     assert toks == dense_greedy(scope["model"], [5, 6, 7], 8)[: len(toks)]
+
+
+def test_dense_greedy_pads_no_wider_than_the_position_table():
+    """A table of 100 positions and 98 tokens: padding to 128 would embed positions past the
+    table (NaN); the oracle must agree with plain eager recomputation at the unpadded width."""
+    model = TinyGPT(TinyGPTConfig(max_position_embeddings=100), seed=1)
+    prompt = list(range(1, 91))
+    seq = list(prompt)
+    for _ in range(8):
+        seq.append(int(jnp.argmax(model(jnp.asarray([seq], jnp.int32))[0, -1])))
+    assert dense_greedy(model, prompt, 8) == seq[len(prompt) :]
