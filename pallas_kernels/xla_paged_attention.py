@@ -19,6 +19,9 @@ heads per KV head) make a real matmul. Decode steps (``T <= S``) use ``block_q =
         m, l, acc  <- online-softmax update
     rows back to tokens
 
+With many query blocks (batch 128 and up for SmolLM2) the blocks go in tiles whose gathered
+chunk fits the L2 cache, each tile with its own loop over its own chunks (`_tile_blocks`).
+
 The pages are stacked over layers (``[L, KVH, N, bs, D]``) and gathered through ``layer`` as
 whole ``(bs, D)`` rows of the flattened pool, so no per-layer copy of the pool is ever made.
 
