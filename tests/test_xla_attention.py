@@ -13,6 +13,8 @@ from pallas_kernels import (
 )
 from pallas_kernels.xla_paged_attention import (
     _TILE_BYTES,
+    _l2_cache_bytes,
+    _parse_cache_size,
     _tile_blocks,
     xla_paged_attention_decode,
     xla_ragged_paged_attention,
@@ -98,12 +100,28 @@ def test_ragged_matches_reference(
 
 def test_tile_sizes():
     """All blocks in one tile while their chunk fits the budget; else the fewest equal tiles
-    (SmolLM2 at batch 256: 3 KV heads x 32 keys x 64 dims x 4 bytes per block -> 4 tiles of 64)."""
-    assert _tile_blocks(64, 3 * 32 * 64 * 4) == 64
-    assert _tile_blocks(256, 3 * 32 * 64 * 4) == 64
-    assert _tile_blocks(128, 3 * 32 * 64 * 4) == 64
-    assert _tile_blocks(100, _TILE_BYTES) == 8  # at least 8 blocks a tile
-    assert _tile_blocks(5, _TILE_BYTES) == 5
+    (SmolLM2: 3 KV heads x 32 keys x 64 dims x 4 bytes = 24 KiB per block)."""
+    per_block, mib = 3 * 32 * 64 * 4, 1 << 20
+    assert _tile_blocks(64, per_block, 2 * mib) == 64
+    assert _tile_blocks(256, per_block, 2 * mib) == 64
+    assert _tile_blocks(128, per_block, 2 * mib) == 64
+    assert _tile_blocks(64, per_block, mib // 2) == 16  # 21 fit: 4 equal tiles
+    assert _tile_blocks(64, per_block, mib) == 32  # 42 fit: 2 equal tiles
+    assert _tile_blocks(100, 2 * mib, 2 * mib) == 8  # at least 8 blocks a tile
+    assert _tile_blocks(5, 2 * mib, 2 * mib) == 5
+
+
+def test_l2_cache_size(tmp_path):
+    assert _parse_cache_size("512K\n") == 512 << 10
+    assert _parse_cache_size("1M") == 1 << 20
+    assert _parse_cache_size("65536") == 65536
+    for i, (level, size) in enumerate([("1", "32K"), ("1", "64K"), ("2", "512K"), ("3", "8M")]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "level").write_text(level + "\n")
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    assert _l2_cache_bytes(root=str(tmp_path)) == 512 << 10
+    assert _l2_cache_bytes(default=123, root=str(tmp_path / "missing")) == 123
+    assert _TILE_BYTES == _l2_cache_bytes() > 0
 
 
 def test_dispatch_routes_xla():
