@@ -15,12 +15,13 @@ heads per KV head) make a real matmul. Decode steps (``T <= S``) use ``block_q =
     blocks     b = 0 .. NB-1, each (sequence, first row, rows <= block_q)   NB <= T/bq + S
     for chunk c in [first chunk any row can see, last chunk any row can see]:
         k, v   = pages[layer, :, table[seq(b), c*C:(c+1)*C]]   [NB, KVH, C*bs, D]
+                 (K gathered transposed, [NB, KVH, D, C*bs]: q.k contracts over a major axis)
         s      = scale * q.k  (soft cap), masked by position / window  [NB, KVH, bq*G, C*bs]
         m, l, acc  <- online-softmax update
     rows back to tokens
 
-With many query blocks (batch 128 and up for SmolLM2) the blocks go in tiles whose gathered
-chunk fits the L2 cache, each tile with its own loop over its own chunks (`_tile_blocks`).
+With many query blocks the blocks go in tiles whose gathered chunk fits one core's L2 cache
+(as Linux reports it), each tile with its own loop over its own chunks (`_tile_blocks`).
 
 The pages are stacked over layers (``[L, KVH, N, bs, D]``) and gathered through ``layer`` as
 whole ``(bs, D)`` rows of the flattened pool, so no per-layer copy of the pool is ever made.
