@@ -45,7 +45,7 @@ from flax import nnx
 
 from jax_paged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jax_paged.sampling_params import SamplingParams
-from models.llama import argmax_last, dense_attention
+from models.llama import argmax_last, dense_attention, prepare_layer_weights
 
 __all__ = ["ContiguousEngine", "kv_bytes_per_token"]
 
@@ -225,6 +225,8 @@ class ContiguousEngine:
         if not self.eos_token_ids and getattr(tok, "eos_token_id", None) is not None:
             self.eos_token_ids = [int(tok.eos_token_id)]
         self.graphdef, self.state = nnx.split(loaded.model)
+        # The weights as the paged engine holds them (on a CPU: per-layer kernels).
+        self.state = prepare_layer_weights(loaded.model, self.state)
         shape = (cfg.num_layers, self.num_rows, self.max_model_len, cfg.num_kv_heads, cfg.head_dim)
         self.kv = (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
         self.waiting: list[_Req] = []

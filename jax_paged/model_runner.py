@@ -31,6 +31,7 @@ from jax_paged import prefix_cache as pc
 from jax_paged import runner, sampling
 from jax_paged import sharding as shard
 from jax_paged.scheduler import ScheduledChunk, Sequence, blocks_for
+from models.llama import prepare_layer_weights
 
 logger = logging.getLogger("jax_paged")
 
@@ -78,6 +79,8 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         if mesh is not None:
             self.params = shard.shard_params(self.params, mesh)
+        # On a CPU, each layer's kernels as separate arrays: no copy of them per step.
+        self.params = prepare_layer_weights(model, self.params, mesh)
         self.dtype = model.dtype
         self.vocab_size = mc.vocab_size
         self.num_blocks = num_blocks

@@ -55,6 +55,7 @@ from models.llama import (
     Attention,
     AttentionFn,
     Transformer,
+    layer_at,
     rope_cos_sin,
 )
 
@@ -171,9 +172,7 @@ class Gemma3(Transformer):
 
         def run_layer(carry, i, window):
             x, kv = carry
-            params = jax.tree.map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layer_params
-            )
+            params = layer_at(layer_params, i)
             cos, sin = rope["global" if window is None else "local"]
             return nnx.merge(layer_def, params)(x, cos, sin, attn, kv, i, sliding_window=window)
 

@@ -24,7 +24,8 @@ that every system generates exactly B x max_tokens tokens. Per batch size:
    same prompts, which would otherwise turn into cache hits in the pools large enough to keep
    them, and HF recomputes every prompt).
 2. ``dense_bound``: the model's own jitted dense forward ``loaded.model(tokens[B, 1])`` (one
-   token per sequence, no cache, LM head included), best of 5 after a warm-up:
+   token per sequence, no cache, LM head included), on the weights as the engine holds them
+   (`models.llama.prepare_layer_weights`: per-layer kernels on a CPU), best of 5 after a warm-up:
    ``tokens_per_s`` = B / step time. ``paged_share_of_bound`` = end-to-end paged tokens/s
    (prefill included) / that; ``decode_share_of_bound`` = the decode phase alone (tokens made
    in decode loops over the time inside them, ``paged_decode_tokens_per_s``) / that (goal >=
@@ -83,6 +84,7 @@ from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
+from models.llama import prepare_layer_weights  # noqa: E402
 
 DEFAULTS = dict(batch_sizes="8,32,64", max_tokens=64, repeats=3, pools="64,1GiB,4GiB")
 QUICK = dict(batch_sizes="4", max_tokens=8, repeats=1, pools="64,64MiB")
@@ -239,6 +241,7 @@ def compile_report(m: dict) -> dict:
 
 def make_dense_step(model):
     graphdef, state = nnx.split(model)
+    state = prepare_layer_weights(model, state)  # the weights as the engine holds them
 
     @jax.jit
     def step(state, tokens):
