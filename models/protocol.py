@@ -142,9 +142,7 @@ def _config_problems(c: Any) -> list[str]:
     if cap is not None and (
         isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0
     ):
-        problems.append(
-            f"model.config.attn_logit_softcapping={cap!r} must be None or a float > 0"
-        )
+        problems.append(f"model.config.attn_logit_softcapping={cap!r} must be None or a float > 0")
     try:
         hash(c)
     except TypeError:
