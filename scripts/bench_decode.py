@@ -23,6 +23,12 @@ that every system generates exactly B x max_tokens tokens. Per batch size:
    pools (goal < 5%). Prefix caching is off unless ``--prefix-caching`` (the repeats reuse the
    same prompts, which would otherwise turn into cache hits in the pools large enough to keep
    them, and HF recomputes every prompt).
+   ``pool_steps`` (``--pool-rounds``, default 9; 0 skips it): the same question asked of the
+   decode step alone, where the machine's drift cannot hide or fake it. One
+   `jax_paged.research.PagedDecoder` per pool (same block count as that pool's `LLM`) holds
+   the prefilled batch; each round runs ``--pool-round-steps`` (8) greedy decode steps at every
+   pool in a rotated order, so all pools see the same contexts round by round: median step
+   seconds per pool, ``spread`` (goal < 5%) and ``paired_spread`` (within rounds).
 2. ``dense_bound``: the model's own jitted dense forward ``loaded.model(tokens[B, 1])`` (one
    token per sequence, no cache, LM head included), on the weights as the engine holds them
    (`models.llama.prepare_layer_weights`: per-layer kernels on a CPU), best of 5 after a warm-up:
@@ -86,8 +92,10 @@ import models  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
 from models.llama import prepare_layer_weights  # noqa: E402
 
-DEFAULTS = dict(batch_sizes="8,32,64", max_tokens=64, repeats=3, pools="64,1GiB,4GiB")
-QUICK = dict(batch_sizes="4", max_tokens=8, repeats=1, pools="64,64MiB")
+DEFAULTS = dict(
+    batch_sizes="8,32,64", max_tokens=64, repeats=3, pools="64,1GiB,4GiB", pool_rounds=9
+)
+QUICK = dict(batch_sizes="4", max_tokens=8, repeats=1, pools="64,64MiB", pool_rounds=2)
 CHECK_TOKENS = 8  # first tokens compared between HF and jax-paged
 BOUND_TRIALS = 5
 
@@ -291,6 +299,77 @@ def contiguous_decode(model, prompts: list[list[int]], max_tokens: int) -> dict:
     return dict(step_seconds=step, tokens_per_s=len(prompts) / step)
 
 
+def pool_step_times(
+    model, prompts: list[list[int]], pools: dict[str, int], steps: int, rounds: int, block_size: int
+) -> dict:
+    """Decode-step time at every KV pool size, the pools alternated every ``steps`` steps.
+
+    A whole ``generate`` per pool takes tens of seconds on a CPU, and the machine's speed drifts
+    by more than the 5% the pools must agree within over that time. Here each pool gets its
+    own `jax_paged.research.PagedDecoder` (the engine's `runner.decode_step`) of ``num_blocks``
+    blocks (raised to what the batch needs) holding the same prefilled batch; then each of
+    ``rounds`` rounds runs ``steps`` greedy decode steps (one jitted ``lax.scan``, state
+    donated) at every pool in turn, in a rotated order, each pool going on from where it
+    stopped. Every pool thus sees the same contexts in the same round, and a ratio taken within
+    a round cancels drift. Returns the median step seconds per pool, ``spread`` (slowest median /
+    fastest median - 1) and ``paired_spread`` (the median over rounds of that ratio taken
+    within each round).
+    """
+    from jax import lax
+
+    from jax_paged.research import PagedDecoder
+
+    b, lmax = len(prompts), max(len(p) for p in prompts)
+    max_len = lmax + steps * (rounds + 1) + 2
+    padded = np.zeros((b, lmax), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = p
+    lens = np.asarray([len(p) for p in prompts], np.int32)
+    need = blocks_needed(prompts, max_len - lmax, block_size)
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_len)
+    runs, states, times, info = {}, {}, {}, {}
+    for name, n in pools.items():
+        dec = PagedDecoder(
+            model, max_seqs=b, max_len=max_len, block_size=block_size, num_blocks=max(n, need)
+        )
+        state = jax.jit(dec.prefill)(dec.params, dec.init(sp), padded, lens)[0]
+
+        def scan(params, state, dec=dec):
+            return lax.scan(lambda s, _: dec.decode_step(params, s), state, None, length=steps)
+
+        run = jax.jit(scan, donate_argnums=1)
+        states[name], _ = jax.block_until_ready(run(dec.params, state))  # compile, warm up
+        runs[name], times[name] = (run, dec.params), []
+        info[name] = dict(num_kv_blocks=dec.num_blocks)
+    names = list(pools)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            run, params = runs[name]
+            t0 = time.perf_counter()
+            states[name], tokens = jax.block_until_ready(run(params, states[name]))
+            times[name].append((time.perf_counter() - t0) / steps)
+            if int(jnp.min(tokens)) < 0:
+                raise RuntimeError(f"pool {name}: a row stopped decoding (no blocks?)")
+    med = {n: statistics.median(t) for n, t in times.items()}
+    per_round = [
+        max(times[n][r] for n in names) / min(times[n][r] for n in names) - 1.0
+        for r in range(rounds)
+    ]
+    for name in names:
+        info[name].update(
+            step_seconds=med[name], runs_step_seconds=[round(t, 5) for t in times[name]]
+        )
+    del states
+    gc.collect()
+    return dict(
+        steps_per_round=steps,
+        rounds=rounds,
+        pools=info,
+        spread=max(med.values()) / min(med.values()) - 1.0,
+        paired_spread=statistics.median(per_round),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # HF transformers
 
@@ -465,6 +544,13 @@ def parse_args(argv):
         help="KV pool sizes: block counts (raised to what the batch needs) or sizes "
         f"(MiB, GiB); default {DEFAULTS['pools']}",
     )
+    ap.add_argument(
+        "--pool-rounds",
+        type=int,
+        default=None,
+        help="rounds of the alternated per-pool decode-step timing (0: skip); default 9",
+    )
+    ap.add_argument("--pool-round-steps", type=int, default=8, help="decode steps per round")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=32, help="max_decode_steps (per device call)")
     ap.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on")
@@ -490,6 +576,8 @@ def parse_args(argv):
         ap.error("--batch-sizes needs positive integers")
     if args.max_tokens < 1 or args.repeats < 1 or not args.pools:
         ap.error("--max-tokens and --repeats must be >= 1, and --pools not empty")
+    if args.pool_rounds < 0 or args.pool_round_steps < 1:
+        ap.error("--pool-rounds must be >= 0 and --pool-round-steps >= 1")
     return args
 
 
@@ -682,6 +770,16 @@ def run(argv=None) -> dict:
         per_batch[str(b)] = row
         del llms
         gc.collect()
+        if args.pool_rounds:
+            _log(f"B={b}: decode steps at each pool, alternated")
+            row["pool_steps"] = pool_step_times(
+                loaded.model,
+                ids,
+                {n: pool_info[n]["num_kv_blocks"] for n, _, _ in args.pools},
+                args.pool_round_steps,
+                args.pool_rounds,
+                args.block_size,
+            )
 
     result = dict(
         benchmark="decode",
@@ -734,6 +832,9 @@ def run(argv=None) -> dict:
     compile_max = result["max_program_compile_seconds"]
     result["goals"] = dict(
         pool_spread_under_5pct=all(r["pool_spread"] < 0.05 for r in rows),
+        pool_step_spread_under_5pct=None
+        if not args.pool_rounds
+        else all(r["pool_steps"]["spread"] < 0.05 for r in rows),
         decode_share_of_bound_at_least_0_9_at_b64=None if share64 is None else share64 >= 0.9,
         paged_over_hf_at_least_1_8_at_b64=None if hf64 is None else hf64 >= 1.8,
         best_paged_over_best_hf_at_least_2=None if ratio is None else ratio >= 2.0,

@@ -67,6 +67,15 @@ def test_bench_decode_quick(tiny_llama, capsys):
     slowest = min(row["paged"][pool]["runs_tokens_per_s"][0] for pool in res["pools"])
     fastest = max(row["paged"][pool]["runs_tokens_per_s"][0] for pool in res["pools"])
     assert row["paired"]["pool_spread"] == pytest.approx(fastest / slowest - 1, abs=1e-3)
+    steps = row["pool_steps"]
+    assert steps["rounds"] == 2 and sorted(steps["pools"]) == sorted(res["pools"])
+    for pool in res["pools"]:
+        s = steps["pools"][pool]
+        assert s["num_kv_blocks"] >= row["paged"][pool]["num_kv_blocks"]
+        assert len(s["runs_step_seconds"]) == 2 and s["step_seconds"] > 0
+    medians = [s["step_seconds"] for s in steps["pools"].values()]
+    assert steps["spread"] == pytest.approx(max(medians) / min(medians) - 1)
+    assert res["goals"]["pool_step_spread_under_5pct"] == (steps["spread"] < 0.05)
     hf_run = row["hf"]["runs_tokens_per_s"][0]
     assert row["paired"]["paged_over_hf"] == pytest.approx(slowest / hf_run, rel=1e-3)
 
