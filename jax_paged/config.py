@@ -27,7 +27,7 @@ class EngineConfig:
       max_decode_steps: decode steps run on the device per call when the batch is all decode
         (1 = a host round trip per token).
       seed: engine seed for requests without their own.
-      attention_impl: "auto", "reference", "xla", "gpu" or "tpu"
+      attention_impl: "auto", "reference", "xla", "cpu", "gpu" or "tpu"
         (`pallas_kernels.paged_attention`).
       attention_interpret: run the Pallas kernels in the interpreter (tests on the CPU).
       max_logprobs: the most log-probs a request may ask for per position.
@@ -86,10 +86,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
-        if self.attention_impl not in ("auto", "reference", "xla", "gpu", "tpu"):
+        if self.attention_impl not in ("auto", "reference", "xla", "cpu", "gpu", "tpu"):
             raise ValueError(
                 f"attention_impl={self.attention_impl!r} must be one of "
-                "'auto', 'reference', 'xla', 'gpu', 'tpu'"
+                "'auto', 'reference', 'xla', 'cpu', 'gpu', 'tpu'"
             )
 
 

@@ -4,10 +4,13 @@
 
     impl="auto"       CUDA GPU -> gpu_paged_attention (Pallas, Triton lowering)
                       TPU      -> tpu_paged_attention (Pallas, Mosaic TPU)
+                      CPU      -> cpu_paged_attention (a native C++ kernel through XLA's FFI,
+                                  built on first use, reading the pages in place), or, where
+                                  it cannot be built (no C++ compiler), xla_paged_attention
                       else     -> xla_paged_attention (plain jnp, keys walked in chunks up to
                                   the longest live context: cost follows the real lengths)
-    impl="reference" | "xla" | "gpu" | "tpu"   force one; interpret=True runs a Pallas kernel
-                                       in the interpreter (how the CPU tests run the kernels)
+    impl="reference" | "xla" | "cpu" | "gpu" | "tpu"   force one; interpret=True runs a Pallas
+                                       kernel in the interpreter (how the CPU tests run them)
 
 "reference" is the oracle every implementation is tested against: it gathers each query's whole
 block table, so its cost grows with the table width (max_model_len), not the live context.
@@ -36,14 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import cpu_paged_attention as _cpu
 from pallas_kernels import gpu_paged_attention as _gpu
 from pallas_kernels import reference as _ref
 from pallas_kernels import xla_paged_attention as _xla
 
 __all__ = ["paged_attention", "resolve_impl"]
 
-Impl = Literal["auto", "reference", "xla", "gpu", "tpu"]
-_IMPLS = ("auto", "reference", "xla", "gpu", "tpu")
+Impl = Literal["auto", "reference", "xla", "cpu", "gpu", "tpu"]
+_IMPLS = ("auto", "reference", "xla", "cpu", "gpu", "tpu")
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -66,6 +70,8 @@ def resolve_impl(impl: Impl, page_size: int, head_dim: int, backend: str | None 
         return "gpu"
     if backend == "tpu":
         return "tpu"
+    if backend == "cpu" and _cpu.available():
+        return "cpu"
     return "xla"
 
 
@@ -160,6 +166,11 @@ def _check_kernel_shapes(which: str, block_size: int, head_dim: int) -> None:
         raise ValueError(
             f"{block_size=} and {head_dim=} must be powers of 2 (head_dim >= 16) for impl='gpu'"
         )
+    if which == "cpu" and jax.default_backend() != "cpu":
+        backend = jax.default_backend()
+        raise ValueError(f"impl='cpu' runs on the CPU backend only; jax's is {backend!r}")
+    if which == "cpu" and not _cpu.available():
+        raise ValueError(f"impl='cpu' is unavailable here: {_cpu.build_error()}")
     if which == "tpu" and block_size % 8:
         raise ValueError(f"{block_size=} must be a multiple of 8 for impl='tpu' (sublane tiling)")
 
@@ -172,6 +183,7 @@ def _kernels(which: str):
     return {
         "reference": (_ref.paged_attention_decode_reference, _ref.ragged_paged_attention_reference),
         "xla": (_xla.xla_paged_attention_decode, _xla.xla_ragged_paged_attention),
+        "cpu": (_cpu.cpu_paged_attention_decode, _cpu.cpu_ragged_paged_attention),
         "gpu": (_gpu.gpu_paged_attention_decode, _gpu.gpu_ragged_paged_attention),
     }[which]
 
@@ -215,7 +227,7 @@ def paged_attention(
       soft_cap: ``logits = soft_cap * tanh(scale * q.k / soft_cap)``.
       layer: which layer of stacked pages (int in [0, L) or a traced integer scalar); must be
         None or 0 for one layer's pages.
-      impl: "auto", "reference", "xla", "gpu" or "tpu" (see module docstring).
+      impl: "auto", "reference", "xla", "cpu", "gpu" or "tpu" (see module docstring).
       interpret: run a Pallas kernel in the interpreter.
     Returns:
       Attention output, same shape and dtype as ``q``.

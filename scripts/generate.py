@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-decode-steps", type=int, default=32)
     e.add_argument(
-        "--attention-impl", default="auto", choices=["auto", "reference", "xla", "gpu", "tpu"]
+        "--attention-impl",
+        default="auto",
+        choices=["auto", "reference", "xla", "cpu", "gpu", "tpu"],
     )
     e.add_argument(
         "--tensor-parallel-size",

@@ -1,0 +1,189 @@
+"""Paged attention for the CPU as a native XLA FFI kernel (``impl="cpu"``), built on first use.
+
+The XLA path (`xla_paged_attention`) has to gather each chunk of pages into a buffer before its
+small batched matmuls can read it, and on the CPU those gathers and matmuls, not the bytes, set
+its cost: about 5 GB/s of K/V against the memory's 17. This kernel reads the pages in place.
+One work item is one query row and one KV head (`cpu_paged_attention.cc`): its ``G = H / KVH``
+query heads walk the row's visible keys page by page through the block table, straight out of
+the stacked pool ``[L, KVH, N, bs, D]``, take an exact float32 softmax and read the values the
+same way. The items are shared out over XLA's own intra-op thread pool. Rows, positions and
+padding come from `layout.ragged_rows`, as for every other implementation, so the contract is
+the reference's (docs/DESIGN.md): rows see keys ``max(0, pos - window + 1) .. pos``, soft cap
+``cap * tanh(s / cap)``, padding rows and rows that see no key give zeros. Only keys a row sees
+are ever read, so garbage (even NaN) in other pages or slots never matters.
+
+Building: the C++ source is compiled with the system's C++ compiler (``$CXX``, else ``c++``)
+against jaxlib's FFI headers (`jax.ffi.include_dir`) into a shared library cached under
+``$JAX_PAGED_CACHE_DIR`` (default ``~/.cache/jax_paged``), keyed by the source, the compiler,
+the flags and the CPU, and registered with XLA once per process. ``-march=native``: the library
+is built for the machine that runs it. Where no compiler is found or the build fails,
+`available` is False, `build_error` says why and ``impl="auto"`` keeps the XLA path;
+``JAX_PAGED_NATIVE=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.layout import decode_as_ragged, ragged_rows, stacked_pages
+
+__all__ = [
+    "available",
+    "build_error",
+    "cpu_paged_attention_decode",
+    "cpu_ragged_paged_attention",
+]
+
+_SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
+_TARGET = "jax_paged_cpu_paged_attention"
+_SYMBOL = "JaxPagedCpuPagedAttention"
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c++17",
+    "-fopenmp-simd",  # the `#pragma omp simd` reductions, with no OpenMP runtime
+    "-fno-math-errno",
+    "-shared",
+    "-fPIC",
+)
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAX_PAGED_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "jax_paged"
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _build() -> Path:
+    """The compiled library's path, building it if the cache lacks it. Raises RuntimeError."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    include = jax.ffi.include_dir()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [_SOURCE.read_text(), cxx, version, " ".join(_FLAGS), include, _cpu_signature()]
+        ).encode()
+    ).hexdigest()[:16]
+    out_dir = _cache_dir()
+    lib = out_dir / f"cpu_paged_attention-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, "-I", include, str(_SOURCE), "-o", tmp]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        os.unlink(tmp)
+        errors = [line for line in res.stderr.splitlines() if "error" in line]
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n" + "\n".join(errors[:10]))
+    os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
+    return lib
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds, loads and registers the kernel once per process: None, or why it is missing."""
+    if os.environ.get("JAX_PAGED_NATIVE", "1") == "0":
+        return "turned off by JAX_PAGED_NATIVE=0"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        handler = jax.ffi.pycapsule(getattr(lib, _SYMBOL))
+        jax.ffi.register_ffi_target(_TARGET, handler, platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def available() -> bool:
+    """Whether the native kernel is built and registered (building it on the first call)."""
+    return _load() is None
+
+
+def build_error() -> str | None:
+    """Why the native kernel is unavailable, or None when it is available."""
+    return _load()
+
+
+def cpu_ragged_paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [L, KVH, N, bs, D] (or one layer's [KVH, N, bs, D])
+    v_pages: jax.Array,  # same as k_pages
+    block_tables: jax.Array,  # i32[S, P]
+    kv_lens: jax.Array,  # i32[S]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    layer: jax.Array | int = 0,  # i32[]
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, H, D] in q.dtype
+    """Ragged paged attention (contract of docs/DESIGN.md) by the native CPU kernel.
+
+    Raises:
+      RuntimeError: the kernel could not be built (the message says why).
+      ValueError: a dtype other than float32, bfloat16 or float16, or more than 64 query heads
+        per KV head.
+    """
+    why = build_error()
+    if why is not None:
+        raise RuntimeError(f"the native CPU paged-attention kernel is unavailable: {why}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"{q.dtype=} must be float32, bfloat16 or float16 for impl='cpu'")
+    k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
+    if q.shape[1] // k_pages.shape[1] > 64:
+        raise ValueError(f"H / KVH = {q.shape[1] // k_pages.shape[1]} must be <= 64")
+    rows = ragged_rows(q.shape[0], kv_lens.astype(jnp.int32), cu_q_lens, num_seqs)
+    call = jax.ffi.ffi_call(
+        _TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
+    )
+    return call(
+        q,
+        k_pages,
+        v_pages,
+        block_tables.astype(jnp.int32),
+        rows.seq,
+        jnp.where(rows.live, rows.pos, -1),
+        layer,
+        scale=np.float32(scale),
+        sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
+
+
+def cpu_paged_attention_decode(q, k_pages, v_pages, block_tables, kv_lens, **options):
+    """Decode form: one query per sequence at position ``kv_lens[b] - 1``
+    (`layout.decode_as_ragged`). ``q[B, H, D]``, pages ``[L, KVH, N, bs, D]`` (or one layer's),
+    ``block_tables`` ``i32[B, P]``, ``kv_lens`` ``i32[B]``; options as
+    `cpu_ragged_paged_attention`. Returns ``[B, H, D]`` in ``q.dtype``."""
+    return decode_as_ragged(
+        cpu_ragged_paged_attention, q, k_pages, v_pages, block_tables, kv_lens, **options
+    )
