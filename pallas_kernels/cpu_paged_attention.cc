@@ -48,6 +48,29 @@ inline void store(float x, BF16* out) {  // round to nearest even, NaN stays NaN
   out->bits = static_cast<uint16_t>(u >> 16);
 }
 
+// exp(x) for x <= 0 in a form the compiler vectorises (libm's expf is a scalar call, and the
+// softmax makes G of them per key): 2^n * e^g with n = round(x / ln 2), g = x - n ln 2 in
+// [-ln2/2, ln2/2] (Cody-Waite split), e^g by its Taylor series to g^7 (relative error < 1e-7).
+// x below -87 gives about 1e-38 instead of 0 or a denormal: nothing next to the row's maximum,
+// whose term is 1.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float g = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float e = 1.0f / 5040.0f;
+  e = e * g + 1.0f / 720.0f;
+  e = e * g + 1.0f / 120.0f;
+  e = e * g + 1.0f / 24.0f;
+  e = e * g + 1.0f / 6.0f;
+  e = e * g + 0.5f;
+  e = e * g + 1.0f;
+  e = e * g + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return e * scale;
+}
+
 struct Problem {
   const void* q;       // [T, H, D]
   const void* k;       // [L, KVH, N, bs, D]
@@ -101,6 +124,8 @@ void AttendRow(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scra
   const int64_t head = (p.layer * p.KVH + kh) * p.N;  // first page of (layer, kh)
   const T* kbase = static_cast<const T*>(p.k);
   const T* vbase = static_cast<const T*>(p.v);
+  // The first values are asked for now, to arrive while the keys are read.
+  Prefetch(vbase + (head + Page(p, table, lo)) * bs * D + (lo % bs) * D, (bs - lo % bs) * D);
 
   // Scores: keys lo..hi one page at a time (a page's rows are contiguous [bs, D]); within a
   // page, one query head at a time over the page's keys, which stay in the L1 cache.
@@ -124,14 +149,22 @@ void AttendRow(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scra
   float denom[64];  // G <= 64 (checked by the caller)
   for (int64_t g = 0; g < G; ++g) {
     float* sg = sc + g * n;
-    if (p.cap > 0.0f) {
-      for (int64_t i = 0; i < n; ++i) sg[i] = p.cap * std::tanh(sg[i] / p.cap);
+    if (p.cap > 0.0f) {  // cap * tanh(s / cap), tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
+      const float cap = p.cap, inv = 1.0f / p.cap;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float y = sg[i] * inv;
+        const float e = ExpNonPositive(-2.0f * std::fabs(y));
+        sg[i] = std::copysign(cap * (1.0f - e) / (1.0f + e), y);
+      }
     }
     float m = -INFINITY;
+#pragma omp simd reduction(max : m)
     for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
     float l = 0.0f;
+#pragma omp simd reduction(+ : l)
     for (int64_t i = 0; i < n; ++i) {
-      sg[i] = std::exp(sg[i] - m);
+      sg[i] = ExpNonPositive(sg[i] - m);
       l += sg[i];
     }
     denom[g] = l;
