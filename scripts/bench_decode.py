@@ -28,7 +28,11 @@ that every system generates exactly B x max_tokens tokens. Per batch size:
    `jax_paged.research.PagedDecoder` per pool (same block count as that pool's `LLM`) holds
    the prefilled batch; each round runs ``--pool-round-steps`` (8) greedy decode steps at every
    pool in a rotated order, so all pools see the same contexts round by round: median step
-   seconds per pool, ``spread`` (goal < 5%) and ``paired_spread`` (within rounds).
+   seconds per pool, ``spread`` (goal < 5%) and ``paired_spread`` (within rounds). The dense
+   forward of item 2 takes a turn in every round as well (``--pool-round-steps`` calls):
+   ``paired_share_of_bound`` is the median over rounds of its step time / the slowest pool's
+   decode step in the same round, the decode step's share of the bound with drift cancelled
+   (the decode steps run at contexts from the prompt up to the prompt + rounds x steps).
 2. ``dense_bound``: the model's own jitted dense forward ``loaded.model(tokens[B, 1])`` (one
    token per sequence, no cache, LM head included), on the weights as the engine holds them
    (`models.llama.prepare_layer_weights`: per-layer kernels on a CPU), best of 5 after a warm-up:
@@ -300,7 +304,13 @@ def contiguous_decode(model, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def pool_step_times(
-    model, prompts: list[list[int]], pools: dict[str, int], steps: int, rounds: int, block_size: int
+    model,
+    prompts: list[list[int]],
+    pools: dict[str, int],
+    steps: int,
+    rounds: int,
+    block_size: int,
+    dense=None,
 ) -> dict:
     """Decode-step time at every KV pool size, the pools alternated every ``steps`` steps.
 
@@ -314,6 +324,10 @@ def pool_step_times(
     a round cancels drift. Returns the median step seconds per pool, ``spread`` (slowest median /
     fastest median - 1) and ``paired_spread`` (the median over rounds of that ratio taken
     within each round).
+
+    ``dense`` = ``(step, state, tokens i32[B, 1])``, the bound's jitted dense forward: it then
+    takes its turn in every round too (``steps`` calls), and ``paired_share_of_bound`` is the
+    median over rounds of its step time / the slowest pool's step time in that round.
     """
     from jax import lax
 
@@ -342,14 +356,24 @@ def pool_step_times(
         runs[name], times[name] = (run, dec.params), []
         info[name] = dict(num_kv_blocks=dec.num_blocks)
     names = list(pools)
+    turns = names + (["dense_bound"] if dense is not None else [])
+    times["dense_bound"] = []
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in turns[r % len(turns) :] + turns[: r % len(turns)]:
+            if name == "dense_bound":
+                step, dense_state, x = dense
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    jax.block_until_ready(step(dense_state, x))
+                times[name].append((time.perf_counter() - t0) / steps)
+                continue
             run, params = runs[name]
             t0 = time.perf_counter()
             states[name], tokens = jax.block_until_ready(run(params, states[name]))
             times[name].append((time.perf_counter() - t0) / steps)
             if int(jnp.min(tokens)) < 0:
                 raise RuntimeError(f"pool {name}: a row stopped decoding (no blocks?)")
+    dense_times = times.pop("dense_bound")
     med = {n: statistics.median(t) for n, t in times.items()}
     per_round = [
         max(times[n][r] for n in names) / min(times[n][r] for n in names) - 1.0
@@ -361,13 +385,20 @@ def pool_step_times(
         )
     del states
     gc.collect()
-    return dict(
+    out = dict(
         steps_per_round=steps,
         rounds=rounds,
         pools=info,
         spread=max(med.values()) / min(med.values()) - 1.0,
         paired_spread=statistics.median(per_round),
     )
+    if dense_times:
+        out["dense_bound_step_seconds"] = statistics.median(dense_times)
+        out["runs_dense_bound_step_seconds"] = [round(t, 5) for t in dense_times]
+        out["paired_share_of_bound"] = statistics.median(
+            dense_times[r] / max(times[n][r] for n in names) for r in range(rounds)
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -779,6 +810,7 @@ def run(argv=None) -> dict:
                 args.pool_round_steps,
                 args.pool_rounds,
                 args.block_size,
+                dense=(dense_step, dense_state, np.asarray([[p[0]] for p in ids], np.int32)),
             )
 
     result = dict(
@@ -836,6 +868,9 @@ def run(argv=None) -> dict:
         if not args.pool_rounds
         else all(r["pool_steps"]["spread"] < 0.05 for r in rows),
         decode_share_of_bound_at_least_0_9_at_b64=None if share64 is None else share64 >= 0.9,
+        paired_decode_step_share_of_bound_at_least_0_9_at_b64=None
+        if not args.pool_rounds or "64" not in per_batch
+        else per_batch["64"]["pool_steps"]["paired_share_of_bound"] >= 0.9,
         paged_over_hf_at_least_1_8_at_b64=None if hf64 is None else hf64 >= 1.8,
         best_paged_over_best_hf_at_least_2=None if ratio is None else ratio >= 2.0,
         compile_at_most_15s_per_program=None if compile_max is None else compile_max <= 15.0,

@@ -76,6 +76,11 @@ def test_bench_decode_quick(tiny_llama, capsys):
     medians = [s["step_seconds"] for s in steps["pools"].values()]
     assert steps["spread"] == pytest.approx(max(medians) / min(medians) - 1)
     assert res["goals"]["pool_step_spread_under_5pct"] == (steps["spread"] < 0.05)
+    dense = steps["runs_dense_bound_step_seconds"]
+    assert len(dense) == 2 and steps["dense_bound_step_seconds"] > 0
+    slow = [max(steps["pools"][p]["runs_step_seconds"][r] for p in res["pools"]) for r in (0, 1)]
+    want = sorted(dense[r] / slow[r] for r in (0, 1))
+    assert steps["paired_share_of_bound"] == pytest.approx(sum(want) / 2, rel=0.05)  # rounded runs
     hf_run = row["hf"]["runs_tokens_per_s"][0]
     assert row["paired"]["paged_over_hf"] == pytest.approx(slowest / hf_run, rel=1e-3)
 
