@@ -6,6 +6,7 @@
 // visible keys, page by page through the sequence's block table, straight out of the stacked
 // pool [L, KVH, N, bs, D] (no gather, no copy), then take an exact softmax over the scores and
 // read the values the same way. The items are shared out over XLA's intra-op thread pool.
+// q and the output are float32 (the caller casts); the pages are float32, bfloat16 or float16.
 
 #include <algorithm>
 #include <atomic>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -33,19 +35,6 @@ inline float load(BF16 x) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
-}
-
-inline void store(float x, float* out) { *out = x; }
-inline void store(float x, _Float16* out) { *out = static_cast<_Float16>(x); }
-inline void store(float x, BF16* out) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    out->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  out->bits = static_cast<uint16_t>(u >> 16);
 }
 
 // exp(x) for x <= 0 in a form the compiler vectorises (libm's expf is a scalar call, and the
@@ -71,11 +60,67 @@ inline float ExpNonPositive(float x) {
   return e * scale;
 }
 
+// Eight float lanes (GCC / clang vector extensions: whatever SIMD the target has).
+typedef float V8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, I8{__VA_ARGS__})
+#endif
+
+inline V8 LoadV8(const float* x) {
+  V8 v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+
+// Lane k of the result is the sum of v[k]'s lanes: eight dot products finished with 14
+// shuffles and 7 adds, where eight horizontal sums would take about 50 dependent operations.
+inline V8 TransposeSum8(const V8* v) {
+  V8 t[4], u[2];
+  for (int i = 0; i < 4; ++i) {
+    t[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           SHUFFLE(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[i] = SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           SHUFFLE(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  return SHUFFLE(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         SHUFFLE(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// Scores of `count` consecutive keys (rows of D = kD floats) against one query head.
+template <int kD>
+inline void ScoresF32(const float* q, const float* rows, int64_t count, float* out) {
+  static_assert(kD % 8 == 0, "whole vectors");
+  V8 qv[kD / 8];
+  for (int c = 0; c < kD / 8; ++c) qv[c] = LoadV8(q + 8 * c);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    V8 acc[8];
+    for (int k = 0; k < 8; ++k) {
+      const float* r = rows + (i + k) * kD;
+      V8 a = qv[0] * LoadV8(r);
+      for (int c = 1; c < kD / 8; ++c) a += qv[c] * LoadV8(r + 8 * c);
+      acc[k] = a;
+    }
+    const V8 sum = TransposeSum8(acc);
+    std::memcpy(out + i, &sum, sizeof sum);
+  }
+  for (; i < count; ++i) {
+    float dot = 0.0f;
+    for (int d = 0; d < kD; ++d) dot += q[d] * rows[i * kD + d];
+    out[i] = dot;
+  }
+}
+
 struct Problem {
-  const void* q;       // [T, H, D]
+  const void* q;       // [T, H, D] float32
   const void* k;       // [L, KVH, N, bs, D]
   const void* v;       // [L, KVH, N, bs, D]
-  void* out;           // [T, H, D]
+  void* out;           // [T, H, D] float32
   const int32_t* tables;  // [S, P]
   const int32_t* seq;     // [T] each row's sequence
   const int32_t* pos;     // [T] each row's position, -1 for padding rows
@@ -106,20 +151,20 @@ inline void Prefetch(const T* first, int64_t count) {
 template <typename T, int kD>
 void AttendRow(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scratch) {
   const int64_t D = kD ? kD : p.D, G = p.G, bs = p.bs;
-  T* out = static_cast<T*>(p.out) + (t * p.H + kh * G) * D;
+  float* out = static_cast<float*>(p.out) + (t * p.H + kh * G) * D;
   int64_t hi = std::min<int64_t>(p.pos[t], p.P * bs - 1);
   int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0;
   int64_t s = p.seq[t];
   if (hi < 0 || s < 0 || s >= p.S) {  // padding row (or no key): zeros
-    for (int64_t i = 0; i < G * D; ++i) store(0.0f, out + i);
+    std::fill(out, out + G * D, 0.0f);
     return;
   }
   const int64_t n = hi - lo + 1;
   scratch.resize(G * D + G * n);
   float* qf = scratch.data();  // [G, D] scaled queries
   float* sc = qf + G * D;      // [G, n] scores, then probabilities
-  const T* q = static_cast<const T*>(p.q) + (t * p.H + kh * G) * D;
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = load(q[i]) * p.scale;
+  const float* q = static_cast<const float*>(p.q) + (t * p.H + kh * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = q[i] * p.scale;
   const int32_t* table = p.tables + s * p.P;
   const int64_t head = (p.layer * p.KVH + kh) * p.N;  // first page of (layer, kh)
   const T* kbase = static_cast<const T*>(p.k);
@@ -136,12 +181,16 @@ void AttendRow(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scra
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
       float* sg = sc + g * n + (j - lo);
-      const T* row = rows;
-      for (int64_t i = 0; i < end - j; ++i, row += D) {
-        float dot = 0.0f;
+      if constexpr (std::is_same_v<T, float> && kD > 0) {
+        ScoresF32<kD>(qg, rows, end - j, sg);
+      } else {
+        const T* row = rows;
+        for (int64_t i = 0; i < end - j; ++i, row += D) {
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(row[d]);
-        sg[i] = dot;
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(row[d]);
+          sg[i] = dot;
+        }
       }
     }
     j = end;
@@ -149,7 +198,7 @@ void AttendRow(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scra
   float denom[64];  // G <= 64 (checked by the caller)
   for (int64_t g = 0; g < G; ++g) {
     float* sg = sc + g * n;
-    if (p.cap > 0.0f) {  // cap * tanh(s / cap), tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
+    if (p.cap > 0.0f) {  // cap tanh(s / cap); tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
       const float cap = p.cap, inv = 1.0f / p.cap;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
@@ -193,7 +242,7 @@ void AttendRow(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scra
   }
   for (int64_t g = 0; g < G; ++g) {
     const float inv = 1.0f / denom[g];
-    for (int64_t d = 0; d < D; ++d) store(acc[g * D + d] * inv, out + g * D + d);
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
   }
 }
 
@@ -254,9 +303,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
     return ffi::Error::InvalidArgument("expected q [T, H, D], pages [L, KVH, N, bs, D], "
                                        "tables [S, P]");
   }
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
-      out->element_type() != q.element_type()) {
-    return ffi::Error::InvalidArgument("q, the pages and the output must share one dtype");
+  if (q.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32 ||
+      v.element_type() != k.element_type()) {
+    return ffi::Error::InvalidArgument("q and the output must be float32, the K and V pages "
+                                       "of one dtype");
   }
   Problem p;
   p.q = q.untyped_data();
@@ -283,7 +333,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   p.scale = scale;
   p.window = sliding_window;
   p.cap = soft_cap;
-  switch (q.element_type()) {
+  switch (k.element_type()) {  // the pages' dtype
     case ffi::DataType::F32:
       Run<float>(p, pool);
       break;

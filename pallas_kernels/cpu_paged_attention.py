@@ -55,6 +55,7 @@ _FLAGS = (
     "-std=c++17",
     "-fopenmp-simd",  # the `#pragma omp simd` reductions, with no OpenMP runtime
     "-fno-math-errno",
+    "-ffp-contract=fast",  # fused multiply-adds (ISO -std= modes turn them off)
     "-shared",
     "-fPIC",
 )
@@ -156,17 +157,17 @@ def cpu_ragged_paged_attention(
     why = build_error()
     if why is not None:
         raise RuntimeError(f"the native CPU paged-attention kernel is unavailable: {why}")
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"{q.dtype=} must be float32, bfloat16 or float16 for impl='cpu'")
+    if k_pages.dtype not in _DTYPES:
+        raise ValueError(f"{k_pages.dtype=} must be float32, bfloat16 or float16 for impl='cpu'")
     k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
     if q.shape[1] // k_pages.shape[1] > 64:
         raise ValueError(f"H / KVH = {q.shape[1] // k_pages.shape[1]} must be <= 64")
     rows = ragged_rows(q.shape[0], kv_lens.astype(jnp.int32), cu_q_lens, num_seqs)
     call = jax.ffi.ffi_call(
-        _TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
+        _TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
     )
-    return call(
-        q,
+    out = call(
+        q.astype(jnp.float32),
         k_pages,
         v_pages,
         block_tables.astype(jnp.int32),
@@ -177,6 +178,7 @@ def cpu_ragged_paged_attention(
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
     )
+    return out.astype(q.dtype)
 
 
 def cpu_paged_attention_decode(q, k_pages, v_pages, block_tables, kv_lens, **options):
