@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 
 from jax_paged import kv_cache as kvc
 
@@ -30,6 +31,10 @@ class EngineConfig:
       attention_impl: "auto", "reference", "xla", "cpu", "gpu" or "tpu"
         (`pallas_kernels.paged_attention`).
       attention_interpret: run the Pallas kernels in the interpreter (tests on the CPU).
+      kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16": the
+        dtype of the KV pages (vLLM's option). A 16-bit cache holds twice the tokens in the
+        same bytes and halves what attention reads; K/V are rounded to it when written and
+        attention computes in float32 either way.
       max_logprobs: the most log-probs a request may ask for per position.
       enable_prefix_caching: reuse the KV blocks of earlier prompts with the same prefix
         (full blocks keyed by their tokens and their parent's key, evicted least recently
@@ -55,6 +60,7 @@ class EngineConfig:
     seed: int = 0
     attention_impl: str = "auto"
     attention_interpret: bool = False
+    kv_cache_dtype: str = "auto"
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
     max_n: int = 256
@@ -86,6 +92,11 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
+                + ", ".join(repr(d) for d in KV_CACHE_DTYPES)
+            )
         if self.attention_impl not in ("auto", "reference", "xla", "cpu", "gpu", "tpu"):
             raise ValueError(
                 f"attention_impl={self.attention_impl!r} must be one of "
@@ -95,6 +106,14 @@ class EngineConfig:
 
 def _param_bytes(params) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def kv_dtype(c: EngineConfig, model_dtype):
+    """The KV pages' dtype: ``c.kv_cache_dtype``, or the model's for "auto"."""
+    return model_dtype if c.kv_cache_dtype == "auto" else jnp.dtype(c.kv_cache_dtype)
 
 
 def _host_memory_bytes() -> int:

@@ -31,7 +31,7 @@ from flax import nnx
 from jax_paged import inputs
 from jax_paged import sharding as shard
 from jax_paged.block_ops import BlockOpQueue
-from jax_paged.config import EngineConfig, size_kv_pool
+from jax_paged.config import EngineConfig, kv_dtype, size_kv_pool
 from jax_paged.metrics import EngineMetrics
 from jax_paged.model_runner import ModelRunner
 from jax_paged.output_processor import OutputProcessor, RequestState
@@ -70,7 +70,7 @@ class LLMEngine:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(512, self.max_num_seqs)
         bs = config.block_size
-        self.num_blocks = size_kv_pool(config, mc, model.dtype, nnx.state(model))
+        self.num_blocks = size_kv_pool(config, mc, kv_dtype(config, model.dtype), nnx.state(model))
         self.runner = ModelRunner(
             model,
             config,

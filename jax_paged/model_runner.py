@@ -30,6 +30,7 @@ from jax_paged import block_manager as bm
 from jax_paged import prefix_cache as pc
 from jax_paged import runner, sampling
 from jax_paged import sharding as shard
+from jax_paged.config import kv_dtype
 from jax_paged.scheduler import ScheduledChunk, Sequence, blocks_for
 from models.llama import prepare_layer_weights
 
@@ -82,6 +83,7 @@ class ModelRunner:
         # On a CPU, each layer's kernels as separate arrays: no copy of them per step.
         self.params = prepare_layer_weights(model, self.params, mesh)
         self.dtype = model.dtype
+        self.kv_dtype = kv_dtype(config, model.dtype)
         self.vocab_size = mc.vocab_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -120,7 +122,7 @@ class ModelRunner:
             mc.head_dim,
             block_size=bs,
             num_blocks=self.num_blocks,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
         )
         # A direct-mapped prefix-cache table: a bucket collision costs a miss (and stops that
         # prompt's chain), so give it 16 buckets per block (4 bytes each) to keep that rare.

@@ -61,6 +61,7 @@ from flax import nnx, struct
 from jax_paged import block_manager as bm
 from jax_paged import runner, sampling
 from jax_paged import sharding as shard
+from jax_paged.config import KV_CACHE_DTYPES
 from jax_paged.sampling_params import SamplingParams
 from jax_paged.scheduler import blocks_for
 from models.llama import prepare_layer_weights
@@ -147,6 +148,8 @@ class PagedDecoder:
         reach ``max_len``.
       eos_token_ids: stop ids added to every row (unless its ignore_eos).
       attention_impl: `pallas_kernels.paged_attention` implementation.
+      kv_cache_dtype: "auto" (the model's), "float32", "bfloat16" or "float16": the KV pages'
+        dtype (`jax_paged.EngineConfig.kv_cache_dtype`).
       mesh: a `jax.sharding.Mesh` with a ``"tp"`` axis (`jax_paged.sharding.TP_AXIS`; other
         axes replicate): ``params`` and the KV pages of `init` are split over it, heads and
         KV heads (replicated when fewer than the devices), and the steps run sharded.
@@ -162,6 +165,7 @@ class PagedDecoder:
         num_blocks: int | None = None,
         eos_token_ids: Sequence[int] = (),
         attention_impl: str = "auto",
+        kv_cache_dtype: str = "auto",
         mesh=None,
     ):
         check_model(model)  # names what a model lacks (models.PagedModel)
@@ -180,6 +184,9 @@ class PagedDecoder:
         self.params = prepare_layer_weights(model, self.params, mesh)  # CPU: per-layer kernels
         self.config = c = model.config
         self.dtype = model.dtype
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{kv_cache_dtype=} must be one of {KV_CACHE_DTYPES}")
+        self.kv_dtype = model.dtype if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
         self.max_seqs, self.max_len, self.block_size = max_seqs, max_len, block_size
         self.max_blocks_per_seq = blocks_for(max_len, block_size)
         self.num_blocks = num_blocks or max_seqs * self.max_blocks_per_seq + 1
@@ -212,7 +219,7 @@ class PagedDecoder:
             c.head_dim,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
         )
         device = runner.DeviceState(
             kv=kv,

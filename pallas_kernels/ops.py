@@ -124,8 +124,11 @@ def _check_arrays(q, k_pages, v_pages) -> None:  # pages [L, KVH, N, bs, D]
         raise ValueError(f"{q.shape=} must be [B, H, D] (decode) or [T, H, D] (ragged)")
     if q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{q.dtype=} must be a floating dtype: float32, bfloat16 or float16")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=}")
+    if k_pages.dtype != v_pages.dtype or k_pages.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"{k_pages.dtype=} and {v_pages.dtype=} must be one floating dtype: float32, "
+            "bfloat16 or float16"
+        )
     _, num_heads, head_dim = q.shape
     _, num_kv_heads, num_blocks, block_size, head_dim_k = k_pages.shape
     if head_dim_k != head_dim:
@@ -217,7 +220,8 @@ def paged_attention(
 
     Args:
       q: ``[B, H, D]`` or ``[T, H, D]``; float32, bfloat16 or float16.
-      k_pages, v_pages: ``[KVH, N, bs, D]`` or ``[L, KVH, N, bs, D]`` in ``q.dtype``; block 0
+      k_pages, v_pages: ``[KVH, N, bs, D]`` or ``[L, KVH, N, bs, D]``, float32, bfloat16 or
+        float16, not necessarily ``q.dtype`` (a 16-bit cache under a float32 model); block 0
         is the null block.
       block_tables: ``i32[B or S, P]``; kv_lens: ``i32[B or S]`` (current tokens included).
       cu_q_lens: ``i32[S+1]`` query start offsets (ragged form only).
@@ -252,5 +256,9 @@ def paged_attention(
     kw = dict(layer=layer, scale=float(scale), sliding_window=sliding_window, soft_cap=soft_cap)
     if which in ("gpu", "tpu"):
         kw["interpret"] = interpret
-    decode, ragged = _kernels(which)
-    return (decode if cu_q_lens is None else ragged)(*args, **kw)
+    kernel = _kernels(which)[0 if cu_q_lens is None else 1]
+    if which in ("gpu", "tpu") and q.dtype != k_pages.dtype:
+        # A cache in another dtype than the model (`EngineConfig.kv_cache_dtype`): the Pallas
+        # kernels take q in the pages' dtype (they accumulate in float32 either way).
+        return kernel(q.astype(k_pages.dtype), *args[1:], **kw).astype(q.dtype)
+    return kernel(*args, **kw)

@@ -311,6 +311,7 @@ def pool_step_times(
     rounds: int,
     block_size: int,
     dense=None,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """Decode-step time at every KV pool size, the pools alternated every ``steps`` steps.
 
@@ -344,7 +345,12 @@ def pool_step_times(
     runs, states, times, info = {}, {}, {}, {}
     for name, n in pools.items():
         dec = PagedDecoder(
-            model, max_seqs=b, max_len=max_len, block_size=block_size, num_blocks=max(n, need)
+            model,
+            max_seqs=b,
+            max_len=max_len,
+            block_size=block_size,
+            num_blocks=max(n, need),
+            kv_cache_dtype=kv_cache_dtype,
         )
         state = jax.jit(dec.prefill)(dec.params, dec.init(sp), padded, lens)[0]
 
@@ -583,6 +589,12 @@ def parse_args(argv):
     )
     ap.add_argument("--pool-round-steps", type=int, default=8, help="decode steps per round")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="jax-paged's KV pages (auto: the model's dtype)",
+    )
     ap.add_argument("--steps", type=int, default=32, help="max_decode_steps (per device call)")
     ap.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
@@ -668,6 +680,7 @@ def run(argv=None) -> dict:
                 max_decode_steps=args.steps,
                 block_size=args.block_size,
                 enable_prefix_caching=args.prefix_caching,
+                kv_cache_dtype=args.kv_cache_dtype,
             )
             if kind == "blocks":
                 kw["num_kv_blocks"] = max(value, need)
@@ -811,12 +824,14 @@ def run(argv=None) -> dict:
                 args.pool_rounds,
                 args.block_size,
                 dense=(dense_step, dense_state, np.asarray([[p[0]] for p in ids], np.int32)),
+                kv_cache_dtype=args.kv_cache_dtype,
             )
 
     result = dict(
         benchmark="decode",
         model=loaded.source,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         platform=jax.devices()[0].platform,
         device=jax.devices()[0].device_kind,
         cpu_count=os.cpu_count(),

@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "reference", "xla", "cpu", "gpu", "tpu"],
     )
     e.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the KV pages' dtype (auto: the model's)",
+    )
+    e.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -303,6 +309,7 @@ def run(args, requests: list[Request], sink) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_decode_steps=args.max_decode_steps,
             attention_impl=args.attention_impl,
+            kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size,
         )

@@ -175,7 +175,8 @@ def _bad(**changes):
         (dict(k_pages=jnp.zeros((KVH, N, BS * D))), "k_pages.shape"),
         (dict(v_pages=jnp.zeros((KVH, N + 1, BS, D))), "v_pages.shape"),
         (dict(q=jnp.zeros((B, H, D), jnp.int32)), "q.dtype"),
-        (dict(q=jnp.zeros((B, H, D), jnp.bfloat16)), "k_pages.dtype"),
+        (dict(k_pages=jnp.zeros((KVH, N, BS, D), jnp.bfloat16)), "k_pages.dtype"),  # v's f32
+        (dict(k_pages=jnp.zeros((KVH, N, BS, D), jnp.int8)), "k_pages.dtype"),
         (dict(q=jnp.zeros((B, H, 2 * D))), "head_dim"),
         (dict(q=jnp.zeros((B, 3, D))), "num_heads=3 must be a multiple of num_kv_heads=2"),
         (dict(block_tables=jnp.zeros((B, P), jnp.float32)), "block_tables"),
@@ -204,3 +205,29 @@ def test_forced_gpu_rejects_a_block_size_it_cannot_take():
     # ...while the reference takes it.
     out = paged_attention(q, pages, pages, bt, kv, scale=0.3)
     assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "cpu", "gpu"])
+@pytest.mark.parametrize("pages_dtype", [jnp.bfloat16, jnp.float16])
+def test_float32_queries_over_16bit_pages(impl, pages_dtype):
+    """A 16-bit KV cache under a float32 model (`EngineConfig.kv_cache_dtype`): the output is
+    float32 and equals attention over the same pages widened to float32 (exactly: widening is
+    exact), but for the GPU kernel, which takes q rounded to the pages' dtype."""
+    q, kp, vp, bt, kv = _inputs()
+    kp, vp = kp.astype(pages_dtype), vp.astype(pages_dtype)
+    cu = jnp.array([0, 1, 2, 3], jnp.int32)
+    for extra in ((), (cu,)):
+        out = paged_attention(q, kp, vp, bt, kv, *extra, scale=0.3, impl=impl, interpret=True)
+        want = paged_attention(
+            q,
+            kp.astype(jnp.float32),
+            vp.astype(jnp.float32),
+            bt,
+            kv,
+            *extra,
+            scale=0.3,
+            impl="reference",
+        )
+        assert out.dtype == jnp.float32
+        tol = 2e-2 if impl == "gpu" else 2e-5
+        np.testing.assert_allclose(out, want, atol=tol, rtol=tol)

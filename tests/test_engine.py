@@ -5,6 +5,7 @@ The oracle is HF transformers (torch, CPU): these tests fail, not skip, when it 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -322,3 +323,24 @@ def test_engine_greedy_matches_hf_per_family(tiny_hf, family):
     ref = [hf_greedy(hf, p, 12) for p in prompts]
     assert got == ref
     _assert_pool_empty(llm)
+
+
+def test_bfloat16_kv_cache(tiny_llama, workload):
+    """kv_cache_dtype="bfloat16" under a float32 model: twice the blocks in the same bytes, the
+    same tokens from the native kernel and the reference over that cache, and HF's float32
+    greedy tokens wherever K/V rounding does not tip a near tie (most of them)."""
+    path, _ = tiny_llama
+    prompts, max_tokens, ref = workload
+    kw = dict(kv_cache_memory_bytes=1 << 20, block_size=4, max_num_seqs=8)
+    f32 = LLM(str(path), **kw)
+    bf16 = LLM(str(path), kv_cache_dtype="bfloat16", **kw)
+    assert bf16.engine.num_blocks in (2 * f32.engine.num_blocks, 2 * f32.engine.num_blocks + 1)
+    assert bf16.engine.state.kv.k.dtype == jnp.bfloat16
+    got = _generate(bf16, prompts, max_tokens)
+    oracle = LLM(str(path), kv_cache_dtype="bfloat16", attention_impl="reference", **kw)
+    assert got == _generate(oracle, prompts, max_tokens)
+    same = sum(g == r for g, r in zip(got, ref, strict=True))
+    assert same >= 0.8 * len(ref), f"{same} of {len(ref)} requests match HF"
+    _assert_pool_empty(bf16)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' must be one of"):
+        LLM(str(path), kv_cache_dtype="fp8", **kw)

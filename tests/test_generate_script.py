@@ -226,3 +226,19 @@ def test_results_are_written_as_they_finish(tiny_hf, tmp_path, capsys, monkeypat
     (rec,) = map(json.loads, seen[0].splitlines())
     assert rec["error"] is None and rec["line"] == 1 and len(rec["outputs"][0]["token_ids"]) == 1
     assert out.read_text() == seen[0]
+
+
+@pytest.mark.parametrize(
+    "flags,want", [([], "auto"), (["--kv-cache-dtype", "bfloat16"], "bfloat16")]
+)
+def test_kv_cache_dtype_flag_reaches_the_engine(monkeypatch, capsys, flags, want):
+    gen = _load_script()
+    seen = {}
+
+    def llm(*a, **k):
+        seen.update(k)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(gen, "LLM", llm)
+    assert gen.main(["Hello", "--no-progress", *flags]) == 1
+    assert seen["kv_cache_dtype"] == want
