@@ -369,19 +369,26 @@ class Scheduler:
             s.num_blocks = blocks_for(s.num_computed, self.block_size)
 
     def decode_horizon(self, seqs: list[Sequence], max_steps: int, max_model_len: int) -> int:
-        """Largest k <= max_steps such that every sequence can decode k more tokens with the
-        free blocks (used to size a multi-step decode call), and no more than the most any of
-        them has left to make (max_tokens, max_model_len)."""
-        remaining = max(
+        """Largest k <= max_steps such that every sequence can decode its next min(k, what it
+        has left) tokens with the free blocks (used to size a multi-step decode call), and no
+        more than the most any of them has left to make (max_tokens, max_model_len).
+
+        A sequence stops inside the call once it has made what it has left, so it is counted
+        for no more: counting k tokens for every row made a pool that holds the whole batch at
+        full length (and no more) cut the calls short near the end (32, 15, 8, 4 steps)."""
+        left = [
             min(s.max_tokens - len(s.output_token_ids), max_model_len - s.num_tokens) for s in seqs
-        )
-        k = min(max_steps, remaining)
-        while k > 1:
-            need = sum(self._need(s, k) for s in seqs)
-            if need <= self.num_free_blocks:
-                return k
-            k //= 2
-        return 1
+        ]
+
+        def fits(k: int) -> bool:
+            need = sum(self._need(s, max(0, min(k, r))) for s, r in zip(seqs, left, strict=True))
+            return need <= self.num_free_blocks
+
+        lo, hi = 1, max(1, min(max_steps, max(left)))
+        while lo < hi:  # the need grows with k: the largest k that fits, by bisection
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     def drain_preempted_slots(self) -> list[int]:
         """Slots of sequences preempted since the last call: the device must free them."""

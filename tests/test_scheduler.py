@@ -97,3 +97,19 @@ def test_random_workload_loses_nothing():
         assert sorted(s.seq_id for s in done) == [s.seq_id for s in seqs]
         assert all(len(s.output_token_ids) == s.max_tokens for s in done)
         assert sched.num_free_blocks == nb
+
+
+def test_decode_horizon_counts_each_row_for_what_it_has_left():
+    """Two rows in a pool that holds both at full length and no more: the one with 2 tokens
+    left is counted for 2, so the call may run the other's 8 (counting 8 for both would not
+    fit and cut the call to 4); with one block fewer, the most that fits (7)."""
+    for free, want in ((4, 8), (3, 7)):
+        sched = Scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+        a, b = _seq(0, 4, max_tokens=10), _seq(1, 4, max_tokens=10)
+        for s, made in ((a, 8), (b, 2)):
+            s.num_computed, s.num_blocks = 4 + made - 1, 2
+            s.output_token_ids = [7] * made
+        # a needs blocks_for(11 + 2) - 2 = 2, b blocks_for(5 + 8) - 2 = 2 at full length.
+        sched.num_free_blocks = free
+        assert sched.decode_horizon([a, b], 32, 1000) == want
+        assert sched.decode_horizon([a, b], 2, 1000) == 2  # max_steps caps it
