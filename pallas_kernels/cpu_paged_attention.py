@@ -2,7 +2,9 @@
 
 The XLA path (`xla_paged_attention`) has to gather each chunk of pages into a buffer before its
 small batched matmuls can read it, and on the CPU those gathers and matmuls, not the bytes, set
-its cost: about 5 GB/s of K/V against the memory's 17. This kernel reads the pages in place.
+its cost. This kernel reads the pages in place: on 2 threads, SmolLM2's 30 layers of decode
+attention at batch 64 and context 200 (590 MB of K/V) take about 33 ms against the XLA path's
+64-80 ms (the memory streams about 36 GB/s, so the kernel is still bound by its work per key).
 One work item is one query row and one KV head (`cpu_paged_attention.cc`): its ``G = H / KVH``
 query heads walk the row's visible keys page by page through the block table, straight out of
 the stacked pool ``[L, KVH, N, bs, D]``, take an exact float32 softmax and read the values the
