@@ -310,8 +310,8 @@ def test_decode_rejects_bad_shapes(change, message):
 def test_decode_rejects_bad_arguments():
     q, pages, tables, lens = _small()
     call = _via_ops
-    with pytest.raises(ValueError, match="dtype"):
-        call(q.astype(jnp.bfloat16), pages, pages, tables, lens, scale=1.0)
+    with pytest.raises(ValueError, match="dtype"):  # K and V pages in two dtypes
+        call(q, pages.astype(jnp.bfloat16), pages, tables, lens, scale=1.0)
     with pytest.raises(ValueError, match="kv_lens must be int32"):
         call(q, pages, pages, tables, lens.astype(jnp.float32), scale=1.0)
     with pytest.raises(ValueError, match="kv_lens.shape"):
