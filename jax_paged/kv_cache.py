@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels import cpu_paged_attention as cpu_kernels
+
 
 def bytes_per_block(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype=jnp.float32
@@ -125,8 +127,28 @@ def scatter(cache: KVCache, layer, k: jax.Array, v: jax.Array, slots: jax.Array)
     # One scatter into the 5-D array (in place when donated). The advanced indices (layer, blk,
     # off) are split by a slice, so the indexed view is [T, KVH, D], the layout of k.
     return cache.replace(
-        k=cache.k.at[layer, :, blk, off].set(k.astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[layer, :, blk, off].set(v.astype(cache.v.dtype), mode="drop"),
+        k=_scatter_rows(cache.k, layer, blk, off, k), v=_scatter_rows(cache.v, layer, blk, off, v)
+    )
+
+
+def _scatter_rows(pages: jax.Array, layer, blk, off, rows: jax.Array) -> jax.Array:
+    """``pages.at[layer, :, blk, off].set(rows, mode="drop")``, in place."""
+    if _native_updates(pages):
+        return cpu_kernels.write_rows(pages, layer, blk, off, rows)
+    return pages.at[layer, :, blk, off].set(rows.astype(pages.dtype), mode="drop")
+
+
+def _native_updates(pages: jax.Array) -> bool:
+    """Whether the pool's updates go through the native CPU library: a bfloat16 pool on one CPU
+    device. XLA's CPU backend has no bfloat16 scatter and widens the whole pool to float32
+    around each one (three pool-sized passes per layer and step); float32 and float16
+    scatters, and every other backend's, are in place already. A cache sharded over several
+    devices stays with XLA (the custom calls have no sharding rule)."""
+    return (
+        pages.dtype == jnp.bfloat16
+        and jax.default_backend() == "cpu"
+        and jax.device_count() == 1
+        and cpu_kernels.available()
     )
 
 
@@ -142,12 +164,15 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """The traceable form of `copy_blocks` (call it inside your own jit)."""
     src = jnp.asarray(src, jnp.int32)
     dst = jnp.asarray(dst, jnp.int32)
+
     # Gather all sources first, then scatter: chains (a->b, b->c) copy the old contents.
     # Padding pairs (0, 0) rewrite the null block with itself.
-    return cache.replace(
-        k=cache.k.at[:, :, dst].set(cache.k[:, :, src]),
-        v=cache.v.at[:, :, dst].set(cache.v[:, :, src]),
-    )
+    def copy(pages):
+        if _native_updates(pages):
+            return cpu_kernels.copy_pages(pages, src, dst)
+        return pages.at[:, :, dst].set(pages[:, :, src])
+
+    return cache.replace(k=copy(cache.k), v=copy(cache.v))
 
 
 copy_blocks = jax.jit(copy_pages, donate_argnums=0)

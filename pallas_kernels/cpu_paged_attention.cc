@@ -3,9 +3,10 @@
 // reference.py is the oracle it is tested against.
 //
 // One work item is one query row and one KV head: its G = H / KVH query heads read the row's
-// visible keys, page by page through the sequence's block table, straight out of the stacked
-// pool [L, KVH, N, bs, D] (no gather, no copy), then take an exact softmax over the scores and
-// read the values the same way. The items are shared out over XLA's intra-op thread pool.
+// visible keys through the sequence's block table, straight out of the stacked pool
+// [L, KVH, N, bs, D] (no gather, no copy), each key row loaded once for all G heads, then take an
+// exact softmax over the scores and read the values the same way. The items are shared out over
+// XLA's intra-op thread pool.
 // q and the output are float32 (the caller casts); the pages are float32, bfloat16 or float16.
 
 #include <algorithm>
@@ -60,60 +61,63 @@ inline float ExpNonPositive(float x) {
   return e * scale;
 }
 
-// Eight float lanes (GCC / clang vector extensions: whatever SIMD the target has).
-typedef float V8 __attribute__((vector_size(32)));
-typedef int32_t I8 __attribute__((vector_size(32)));
+// Sixteen float lanes (GCC / clang vector extensions: one AVX-512 register, two AVX ones...).
+typedef float V16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef _Float16 H16x16 __attribute__((vector_size(32)));
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, I8{__VA_ARGS__})
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, I16{__VA_ARGS__})
 #endif
 
-inline V8 LoadV8(const float* x) {
-  V8 v;
+// Sixteen consecutive elements widened to float32.
+inline V16 Load16(const float* x) {
+  V16 v;
   std::memcpy(&v, x, sizeof v);
   return v;
 }
-
-// Lane k of the result is the sum of v[k]'s lanes: eight dot products finished with 14
-// shuffles and 7 adds, where eight horizontal sums would take about 50 dependent operations.
-inline V8 TransposeSum8(const V8* v) {
-  V8 t[4], u[2];
-  for (int i = 0; i < 4; ++i) {
-    t[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           SHUFFLE(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[i] = SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           SHUFFLE(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  }
-  return SHUFFLE(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-         SHUFFLE(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+inline V16 Load16(const BF16* x) {  // bfloat16 is float32's upper half
+  U16x16 h;
+  std::memcpy(&h, x, sizeof h);
+  const U32x16 w = __builtin_convertvector(h, U32x16) << 16;
+  V16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline V16 Load16(const _Float16* x) {
+  H16x16 h;
+  std::memcpy(&h, x, sizeof h);
+  return __builtin_convertvector(h, V16);
 }
 
-// Scores of `count` consecutive keys (rows of D = kD floats) against one query head.
-template <int kD>
-inline void ScoresF32(const float* q, const float* rows, int64_t count, float* out) {
-  static_assert(kD % 8 == 0, "whole vectors");
-  V8 qv[kD / 8];
-  for (int c = 0; c < kD / 8; ++c) qv[c] = LoadV8(q + 8 * c);
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    V8 acc[8];
-    for (int k = 0; k < 8; ++k) {
-      const float* r = rows + (i + k) * kD;
-      V8 a = qv[0] * LoadV8(r);
-      for (int c = 1; c < kD / 8; ++c) a += qv[c] * LoadV8(r + 8 * c);
-      acc[k] = a;
-    }
-    const V8 sum = TransposeSum8(acc);
-    std::memcpy(out + i, &sum, sizeof sum);
+// Lane i of the result is the sum of v[i]'s lanes: sixteen dot products finished with 30
+// shuffles and 15 adds (pairs, then quads, octets and halves folded), where sixteen horizontal
+// sums would take over a hundred dependent operations.
+inline V16 TransposeSum16(const V16* v) {
+  V16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                   14, 30) +
+           SHUFFLE(v[2 * i], v[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                   15, 31);
   }
-  for (; i < count; ++i) {
-    float dot = 0.0f;
-    for (int d = 0; d < kD; ++d) dot += q[d] * rows[i * kD + d];
-    out[i] = dot;
+  for (int i = 0; i < 4; ++i) {
+    b[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                   29) +
+           SHUFFLE(a[2 * i], a[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                   30, 31);
   }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
+                   27) +
+           SHUFFLE(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                   30, 31);
+  }
+  return SHUFFLE(c[0], c[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         SHUFFLE(c[0], c[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
 struct Problem {
@@ -145,104 +149,196 @@ inline void Prefetch(const T* first, int64_t count) {
   }
 }
 
+// A thread's scratch for a row's key offsets.
+inline int64_t* OffsetScratch(int64_t n) {
+  thread_local std::vector<int64_t> offs;
+  if (static_cast<int64_t>(offs.size()) < n) offs.resize(n);
+  return offs.data();
+}
+
 // Row t, KV head kh: out[t, kh*G:(kh+1)*G] = softmax(scale * q.K^T) V over the row's keys.
-// kD is the head dim when it is a compile-time constant (the common 64, 128, 256: the loops over
-// D unroll and a head's accumulator lives in registers), else 0 and p.D is read at run time.
-template <typename T, int kD>
+// kD is the head dim and kG the number of query heads per KV head when they are compile-time
+// constants (kD a multiple of 16: the loops over D unroll into whole vectors and the heads'
+// accumulators live in registers), else 0 and p.D / p.G are read at run time.
+//
+// Each key and value row is loaded once for all G heads. Scores go to sc[key * G + g] (key
+// major), KB = 16 / G keys x G heads at a time, sixteen dot products folded by one
+// TransposeSum16 and stored as one vector; the softmax then runs over that flat array in
+// chunks of 16 G floats, whose lane i always belongs to head i % G.
+template <typename T, int kD, int kG>
 void AttendRow(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scratch) {
-  const int64_t D = kD ? kD : p.D, G = p.G, bs = p.bs;
+  const int64_t D = kD ? kD : p.D, G = kG ? kG : p.G, bs = p.bs;
   float* out = static_cast<float*>(p.out) + (t * p.H + kh * G) * D;
-  int64_t hi = std::min<int64_t>(p.pos[t], p.P * bs - 1);
-  int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0;
-  int64_t s = p.seq[t];
+  const int64_t hi = std::min<int64_t>(p.pos[t], p.P * bs - 1);
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0;
+  const int64_t s = p.seq[t];
   if (hi < 0 || s < 0 || s >= p.S) {  // padding row (or no key): zeros
     std::fill(out, out + G * D, 0.0f);
     return;
   }
-  const int64_t n = hi - lo + 1;
-  scratch.resize(G * D + G * n);
-  float* qf = scratch.data();  // [G, D] scaled queries
-  float* sc = qf + G * D;      // [G, n] scores, then probabilities
+  const int64_t n = hi - lo + 1, chunk = 16 * G;
+  const int64_t flat = n * G, padded = (flat + chunk - 1) / chunk * chunk;
+  scratch.resize(G * D + padded + 16 + 2 * chunk);
+  float* qf = scratch.data();  // [G, D] scaled queries, then the output accumulators
+  float* sc = qf + G * D;      // [n, G] scores, then probabilities; padded to whole chunks
+  float* lanes = sc + padded + 16;  // [2, chunk]: per-lane maxima and sums
   const float* q = static_cast<const float*>(p.q) + (t * p.H + kh * G) * D;
   for (int64_t i = 0; i < G * D; ++i) qf[i] = q[i] * p.scale;
   const int32_t* table = p.tables + s * p.P;
   const int64_t head = (p.layer * p.KVH + kh) * p.N;  // first page of (layer, kh)
   const T* kbase = static_cast<const T*>(p.k);
   const T* vbase = static_cast<const T*>(p.v);
-  // The first values are asked for now, to arrive while the keys are read.
-  Prefetch(vbase + (head + Page(p, table, lo)) * bs * D + (lo % bs) * D, (bs - lo % bs) * D);
-
-  // Scores: keys lo..hi one page at a time (a page's rows are contiguous [bs, D]); within a
-  // page, one query head at a time over the page's keys, which stay in the L1 cache.
-  for (int64_t j = lo; j <= hi;) {
-    const int64_t end = std::min(hi + 1, j - j % bs + bs);
-    const T* rows = kbase + ((head + Page(p, table, j)) * bs + j % bs) * D;
-    if (end <= hi) Prefetch(kbase + (head + Page(p, table, end)) * bs * D, bs * D);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      float* sg = sc + g * n + (j - lo);
-      if constexpr (std::is_same_v<T, float> && kD > 0) {
-        ScoresF32<kD>(qg, rows, end - j, sg);
-      } else {
-        const T* row = rows;
-        for (int64_t i = 0; i < end - j; ++i, row += D) {
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(row[d]);
-          sg[i] = dot;
+  // Each visible key's row offset in the pages (the same for K and V), page by page: no
+  // division per key.
+  int64_t* offs = OffsetScratch(n);
+  for (int64_t j = lo, pg = lo / bs, in = lo % bs; j <= hi; ++pg, in = 0) {
+    const int64_t first = (head + std::clamp<int64_t>(table[pg], 0, p.N - 1)) * bs;
+    for (; in < bs && j <= hi; ++in, ++j) offs[j - lo] = (first + in) * D;
+  }
+  // The first page of keys and values now; later pages are asked for a page ahead of the keys.
+  Prefetch(kbase + offs[0], std::min(n, bs - lo % bs) * D);
+  Prefetch(vbase + offs[0], std::min(n, bs - lo % bs) * D);
+  int64_t ahead = bs - lo % bs;  // index (from lo) of the first key not yet asked for
+  auto prefetch_to = [&](int64_t k) {  // pages up to key index k (from lo)
+    for (; ahead < n && ahead <= k; ahead += bs) {
+      const int64_t len = std::min(bs, n - ahead) * D;
+      Prefetch(kbase + offs[ahead], len);
+      Prefetch(vbase + offs[ahead], len);
+    }
+  };
+  if constexpr (kD > 0) {
+    static_assert(kD % 16 == 0, "whole vectors");
+    constexpr int C = kD / 16;
+    const int64_t GC = std::min<int64_t>(G, 16), KB = 16 / GC;
+    for (int64_t g0 = 0; g0 < G; g0 += GC) {
+      const int64_t gc = std::min(GC, G - g0);
+      for (int64_t k0 = lo; k0 <= hi; k0 += KB) {
+        prefetch_to(k0 - lo + bs);
+        const int64_t kb = std::min(KB, hi + 1 - k0);
+        V16 acc[16];
+        for (int64_t k = 0; k < KB; ++k) {
+          if (k < kb) {
+            const T* r = kbase + offs[k0 - lo + k];
+            V16 rv[C];
+            for (int c = 0; c < C; ++c) rv[c] = Load16(r + 16 * c);
+            for (int64_t g = 0; g < gc; ++g) {
+              const float* qg = qf + (g0 + g) * kD;
+              V16 a = Load16(qg) * rv[0];
+              for (int c = 1; c < C; ++c) a += Load16(qg + 16 * c) * rv[c];
+              acc[k * GC + g] = a;
+            }
+            for (int64_t g = gc; g < GC; ++g) acc[k * GC + g] = V16{};
+          } else {
+            for (int64_t g = 0; g < GC; ++g) acc[k * GC + g] = V16{};
+          }
+        }
+        for (int64_t i = KB * GC; i < 16; ++i) acc[i] = V16{};
+        const V16 x = TransposeSum16(acc);
+        float* dst = sc + (k0 - lo) * G;
+        if (GC == G) {  // the block's kb * G scores are contiguous (the rest is overwritten)
+          std::memcpy(dst, &x, sizeof x);
+        } else {
+          for (int64_t k = 0; k < kb; ++k)
+            for (int64_t g = 0; g < gc; ++g) dst[k * G + g0 + g] = x[k * GC + g];
         }
       }
     }
-    j = end;
-  }
-  float denom[64];  // G <= 64 (checked by the caller)
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = sc + g * n;
-    if (p.cap > 0.0f) {  // cap tanh(s / cap); tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
-      const float cap = p.cap, inv = 1.0f / p.cap;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float y = sg[i] * inv;
-        const float e = ExpNonPositive(-2.0f * std::fabs(y));
-        sg[i] = std::copysign(cap * (1.0f - e) / (1.0f + e), y);
+  } else {
+    for (int64_t j = lo; j <= hi; ++j) {
+      prefetch_to(j - lo + bs);
+      const T* r = kbase + offs[j - lo];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf + g * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(r[d]);
+        sc[(j - lo) * G + g] = dot;
       }
     }
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
-    float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-    for (int64_t i = 0; i < n; ++i) {
-      sg[i] = ExpNonPositive(sg[i] - m);
-      l += sg[i];
-    }
-    denom[g] = l;
   }
-  // Output: the values weighted the same way; qf's rows are reused as the accumulators.
-  float* acc = qf;
-  std::fill(acc, acc + G * D, 0.0f);
-  for (int64_t j = lo; j <= hi;) {
-    const int64_t end = std::min(hi + 1, j - j % bs + bs);
-    const T* rows = vbase + ((head + Page(p, table, j)) * bs + j % bs) * D;
-    if (end <= hi) Prefetch(vbase + (head + Page(p, table, end)) * bs * D, bs * D);
+
+  // Softmax per head over the flat [n, G] scores: lane i of every chunk is head i % G.
+  std::fill(sc + flat, sc + padded, -INFINITY);
+  if (p.cap > 0.0f) {  // cap tanh(s / cap); tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
+    const float cap = p.cap, inv = 1.0f / p.cap;
+#pragma omp simd
+    for (int64_t i = 0; i < flat; ++i) {
+      const float y = sc[i] * inv;
+      const float e = ExpNonPositive(-2.0f * std::fabs(y));
+      sc[i] = std::copysign(cap * (1.0f - e) / (1.0f + e), y);
+    }
+  }
+  float* mx = lanes;
+  float* sum = lanes + chunk;
+  std::fill(mx, mx + chunk, -INFINITY);
+  for (int64_t c = 0; c < padded; c += chunk) {
+#pragma omp simd
+    for (int64_t i = 0; i < chunk; ++i) mx[i] = std::max(mx[i], sc[c + i]);
+  }
+  float m[64], denom[64];  // G <= 64 (checked by the caller)
+  std::fill(m, m + G, -INFINITY);
+  for (int64_t i = 0; i < chunk; ++i) m[i % G] = std::max(m[i % G], mx[i]);
+  for (int64_t i = 0; i < chunk; ++i) mx[i] = m[i % G];  // now each lane's head maximum
+  std::fill(sum, sum + chunk, 0.0f);
+  for (int64_t c = 0; c < padded; c += chunk) {
+#pragma omp simd
+    for (int64_t i = 0; i < chunk; ++i) {
+      const float e = ExpNonPositive(sc[c + i] - mx[i]);
+      sc[c + i] = e;
+      sum[i] += e;
+    }
+  }
+  std::fill(denom, denom + G, 0.0f);
+  for (int64_t i = 0; i < chunk; ++i) denom[i % G] += sum[i];
+
+  // Output: the values weighted the same way, each value row loaded once for all G heads.
+  float* acc = qf;  // [G, D]
+  if constexpr (kD > 0 && kG > 0) {
+    constexpr int C = kD / 16;
+    V16 a[kG][C] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const T* r = vbase + offs[j];
+      const float* w = sc + j * kG;
+      V16 rv[C];
+      for (int c = 0; c < C; ++c) rv[c] = Load16(r + 16 * c);
+      for (int g = 0; g < kG; ++g)
+        for (int c = 0; c < C; ++c) a[g][c] += w[g] * rv[c];
+    }
+    for (int g = 0; g < kG; ++g) {
+      const float inv = 1.0f / denom[g];
+      for (int c = 0; c < C; ++c) {
+        const V16 o = a[g][c] * inv;
+        std::memcpy(out + g * kD + 16 * c, &o, sizeof o);
+      }
+    }
+  } else {
+    std::fill(acc, acc + G * D, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* r = vbase + offs[j];
+      const float* w = sc + j * G;
+      for (int64_t g = 0; g < G; ++g) {
+        float* ag = acc + g * D;
+        const float wg = w[g];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += wg * load(r[d]);
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
-      float a[kD ? kD : 1];  // the head's accumulator, in registers when D is static
-      float* ag = kD ? a : acc + g * D;
-      if (kD) std::copy(acc + g * D, acc + (g + 1) * D, a);
-      const float* wg = sc + g * n + (j - lo);
-      const T* row = rows;
-      for (int64_t i = 0; i < end - j; ++i, row += D) {
-        const float w = wg[i];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] += w * load(row[d]);
-      }
-      if (kD) std::copy(a, a + D, acc + g * D);
+      const float inv = 1.0f / denom[g];
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
     }
-    j = end;
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.0f / denom[g];
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
+}
+
+template <typename T, int kD>
+void AttendRowG(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scratch) {
+  switch (p.G) {
+    case 1: return AttendRow<T, kD, 1>(p, t, kh, scratch);
+    case 2: return AttendRow<T, kD, 2>(p, t, kh, scratch);
+    case 3: return AttendRow<T, kD, 3>(p, t, kh, scratch);
+    case 4: return AttendRow<T, kD, 4>(p, t, kh, scratch);
+    case 8: return AttendRow<T, kD, 8>(p, t, kh, scratch);
+    default: return AttendRow<T, kD, 0>(p, t, kh, scratch);
   }
 }
 
@@ -270,16 +366,16 @@ void Run(const Problem& p, ffi::ThreadPool& pool) {
       for (int64_t i = first; i < last; ++i) {
         switch (p.D) {
           case 64:
-            AttendRow<T, 64>(p, i / p.KVH, i % p.KVH, scratch);
+            AttendRowG<T, 64>(p, i / p.KVH, i % p.KVH, scratch);
             break;
           case 128:
-            AttendRow<T, 128>(p, i / p.KVH, i % p.KVH, scratch);
+            AttendRowG<T, 128>(p, i / p.KVH, i % p.KVH, scratch);
             break;
           case 256:
-            AttendRow<T, 256>(p, i / p.KVH, i % p.KVH, scratch);
+            AttendRowG<T, 256>(p, i / p.KVH, i % p.KVH, scratch);
             break;
           default:
-            AttendRow<T, 0>(p, i / p.KVH, i % p.KVH, scratch);
+            AttendRow<T, 0, 0>(p, i / p.KVH, i % p.KVH, scratch);
         }
       }
       shared->done.fetch_add(last - first, std::memory_order_release);
@@ -349,6 +445,69 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// The pool's own updates, in place (the result aliases the pages). XLA's CPU backend has no
+// bfloat16 scatter: it widens the whole pool to float32 around one, three pool-sized passes per
+// layer and step, so a bfloat16 cache is written here. Both only move bytes (any dtype).
+
+// pages[layer, :, blk[t], off[t], :] = rows[t] for every token t whose slot is in the pool.
+ffi::Error WriteRowsImpl(ffi::AnyBuffer pages, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> blk, ffi::Buffer<ffi::S32> off,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pages.dimensions();
+  auto rd = rows.dimensions();
+  if (pd.size() != 5 || rd.size() != 3 || rd[1] != pd[1] || rd[2] != pd[4] ||
+      rows.element_type() != pages.element_type() || blk.element_count() != rd[0] ||
+      off.element_count() != rd[0]) {
+    return ffi::Error::InvalidArgument("expected pages [L, KVH, N, bs, D], rows [T, KVH, D] of "
+                                       "the pages' dtype, blk and off [T]");
+  }
+  const int64_t L = pd[0], KVH = pd[1], N = pd[2], bs = pd[3], D = pd[4], T = rd[0];
+  const int64_t esize = ffi::ByteWidth(pages.element_type());
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != pages.untyped_data()) std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::Success();
+  const char* src = static_cast<const char*>(rows.untyped_data());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t b = blk.typed_data()[t], o = off.typed_data()[t];
+    if (b < 0 || b >= N || o < 0 || o >= bs) continue;  // dropped, as mode="drop"
+    for (int64_t h = 0; h < KVH; ++h) {
+      std::memcpy(dst + ((((l * KVH + h) * N + b) * bs + o) * D) * esize,
+                  src + ((t * KVH + h) * D) * esize, D * esize);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// pages[:, :, dst[i]] = pages[:, :, src[i]] for every pair with src != dst, the sources read
+// before any is written (chains copy the old contents).
+ffi::Error CopyPagesImpl(ffi::AnyBuffer pages, ffi::Buffer<ffi::S32> src,
+                         ffi::Buffer<ffi::S32> dst, ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pages.dimensions();
+  if (pd.size() != 5 || src.element_count() != dst.element_count()) {
+    return ffi::Error::InvalidArgument("expected pages [L, KVH, N, bs, D], src and dst [M]");
+  }
+  const int64_t LK = pd[0] * pd[1], N = pd[2];
+  const int64_t page = pd[3] * pd[4] * ffi::ByteWidth(pages.element_type());
+  char* base = static_cast<char*>(out->untyped_data());
+  if (base != pages.untyped_data()) std::memcpy(base, pages.untyped_data(), pages.size_bytes());
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  for (size_t i = 0; i < src.element_count(); ++i) {
+    const int64_t s = src.typed_data()[i], d = dst.typed_data()[i];
+    if (s != d && s >= 0 && s < N && d >= 0 && d < N) pairs.emplace_back(s, d);
+  }
+  if (pairs.empty()) return ffi::Error::Success();
+  std::vector<char> held(pairs.size() * page);
+  for (int64_t lk = 0; lk < LK; ++lk) {
+    char* head = base + lk * N * page;
+    for (size_t i = 0; i < pairs.size(); ++i)
+      std::memcpy(held.data() + i * page, head + pairs[i].first * page, page);
+    for (size_t i = 0; i < pairs.size(); ++i)
+      std::memcpy(head + pairs[i].second * page, held.data() + i * page, page);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxPagedCpuPagedAttention, PagedAttentionImpl,
@@ -365,3 +524,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxPagedCpuPagedAttention, PagedAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxPagedCpuWriteRows, WriteRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // pages
+                                  .Arg<ffi::AnyBuffer>()         // rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // blk
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // off
+                                  .Ret<ffi::AnyBuffer>());       // pages, aliased
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxPagedCpuCopyPages, CopyPagesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // src
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst
+                                  .Ret<ffi::AnyBuffer>());       // pages, aliased

@@ -44,13 +44,20 @@ from pallas_kernels.layout import decode_as_ragged, ragged_rows, stacked_pages
 __all__ = [
     "available",
     "build_error",
+    "copy_pages",
     "cpu_paged_attention_decode",
     "cpu_ragged_paged_attention",
+    "write_rows",
 ]
 
 _SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
 _TARGET = "jax_paged_cpu_paged_attention"
 _SYMBOL = "JaxPagedCpuPagedAttention"
+# The pool's in-place updates, from the same library (see write_rows, copy_pages).
+_UPDATES = {
+    "jax_paged_cpu_write_rows": "JaxPagedCpuWriteRows",
+    "jax_paged_cpu_copy_pages": "JaxPagedCpuCopyPages",
+}
 _FLAGS = (
     "-O3",
     "-march=native",
@@ -118,8 +125,9 @@ def _load() -> str | None:
         return "turned off by JAX_PAGED_NATIVE=0"
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
-        handler = jax.ffi.pycapsule(getattr(lib, _SYMBOL))
-        jax.ffi.register_ffi_target(_TARGET, handler, platform="cpu")
+        for target, symbol in {_TARGET: _SYMBOL, **_UPDATES}.items():
+            handler = jax.ffi.pycapsule(getattr(lib, symbol))
+            jax.ffi.register_ffi_target(target, handler, platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         return f"{type(e).__name__}: {e}"
     return None
@@ -191,3 +199,46 @@ def cpu_paged_attention_decode(q, k_pages, v_pages, block_tables, kv_lens, **opt
     return decode_as_ragged(
         cpu_ragged_paged_attention, q, k_pages, v_pages, block_tables, kv_lens, **options
     )
+
+
+def write_rows(pages: jax.Array, layer, blk: jax.Array, off: jax.Array, rows: jax.Array):
+    """``pages.at[layer, :, blk, off].set(rows, mode="drop")`` by the native library, in place.
+
+    ``pages`` ``[L, KVH, N, bs, D]``, ``rows`` ``[T, KVH, D]`` (cast to the pages' dtype),
+    ``blk``/``off`` ``i32[T]``, ``layer`` an int (may be traced); tokens whose slot is outside
+    the pool are dropped. The result aliases ``pages`` (donate it, or XLA copies it first).
+    XLA's CPU backend widens a bfloat16 pool to float32 around a scatter into it (the whole
+    pool, three passes per layer and step); this moves the rows' bytes only. Raises
+    RuntimeError where the library is unavailable.
+    """
+    why = build_error()
+    if why is not None:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {why}")
+    call = jax.ffi.ffi_call(
+        "jax_paged_cpu_write_rows",
+        jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+        input_output_aliases={0: 0},
+        vmap_method="sequential",
+    )
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return call(pages, rows.astype(pages.dtype), i32(layer).reshape(()), i32(blk), i32(off))
+
+
+def copy_pages(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """``pages.at[:, :, dst].set(pages[:, :, src])`` by the native library, in place.
+
+    ``pages`` ``[L, KVH, N, bs, D]``, ``src``/``dst`` ``i32[M]``; pairs with ``src == dst``
+    (padding) or an index outside the pool are skipped; all sources are read before any
+    destination is written. The result aliases ``pages``. Raises RuntimeError where the
+    library is unavailable.
+    """
+    why = build_error()
+    if why is not None:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {why}")
+    call = jax.ffi.ffi_call(
+        "jax_paged_cpu_copy_pages",
+        jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+        input_output_aliases={0: 0},
+        vmap_method="sequential",
+    )
+    return call(pages, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))

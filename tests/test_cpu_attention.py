@@ -96,6 +96,38 @@ def test_decode_matches_reference_and_spreads_over_threads():
     np.testing.assert_array_equal(np.asarray(got)[kv_lens == 0], 0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "d,h,kvh",
+    [
+        (64, 4, 2),  # G = 2: 8 keys per folded block of 16 dot products
+        (64, 12, 2),  # G = 6: no compiled-in head count, the head count read at run time
+        (128, 16, 2),  # G = 8
+        (64, 20, 1),  # G = 20 > 16: the heads go in groups of 16 and 4, one key per block
+        (256, 6, 3),  # D = 256, G = 2
+    ],
+)
+@pytest.mark.parametrize("window,cap", [(None, None), (11, 3.0)])
+def test_head_groups_match_reference(dtype, d, h, kvh, window, cap):
+    """Every way the kernel groups a KV head's query heads over a key block, and the softmax's
+    lanes of 16 G floats, against the reference (ragged rows, NaN where no row looks)."""
+    rng = np.random.default_rng(d * h + kvh)
+    n, bs, p = 48, 16, 5
+    q_lens, kv_lens = [1, 4, 1, 2], [77, 40, 1, 16]
+    tables, kv, cu, written = _batch(rng, q_lens, kv_lens, p, bs, n)
+    k, v = _pages(rng, 2, kvh, n, bs, d, dtype, written)
+    q = jnp.asarray(rng.normal(size=(9, h, d)), dtype)
+    kw = dict(scale=d**-0.5, sliding_window=window, soft_cap=cap)
+    got = paged_attention(q, k, v, tables, kv, cu, jnp.int32(4), layer=1, impl="cpu", **kw)
+    want = ragged_paged_attention_reference(
+        q, k, v, tables, kv, cu, jnp.int32(4), layer=jnp.int32(1), **kw
+    )
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_array_equal(got[8:], 0)  # the padding row
+
+
 def test_layers_scanned_with_one_layers_pages_too():
     """Under a scan over stacked layers the kernel reads each layer through the counter; one
     layer's pages [KVH, N, bs, D] work as well."""

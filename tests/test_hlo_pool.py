@@ -3,9 +3,10 @@
 Compiles `decode_loop` and `mixed_step` (and the other engine programs) for a tiny model whose
 pool has an odd size, then reads the optimised HLO: no instruction may produce a buffer as large
 as one layer's pages, except the in-place updates of the donated state (scatters, dynamic
-update slices, or fusions rooted at one) and the values that merely name the state (parameters,
-tuple elements, loops and conditionals that carry it). A `kv.k[layer]` slice handed to a kernel,
-a copy inserted around a loop or a conditional, or a gather of whole layers would all show up.
+update slices, fusions rooted at one, custom calls whose result aliases their first operand)
+and the values that merely name the state (parameters, tuple elements, loops and conditionals
+that carry it). A `kv.k[layer]` slice handed to a kernel, a copy inserted around a loop or a
+conditional, or a gather of whole layers would all show up.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 from flax import nnx
 
 import models
@@ -52,6 +54,8 @@ def _large_buffers(hlo: str) -> list[str]:
     for op, rest, line in instrs:
         if op in PASS_THROUGH or op in IN_PLACE:
             continue
+        if op == "custom-call" and "output_to_operand_aliasing={{}: (0, {})}" in rest:
+            continue  # the native bfloat16 writes: the result is operand 0's buffer
         if op == "fusion":
             called = re.search(r"calls=(%[\w.\-]+)", rest)
             if called and roots.get(called.group(1)) in IN_PLACE:
@@ -61,22 +65,31 @@ def _large_buffers(hlo: str) -> list[str]:
 
 
 def test_large_buffers_detects_a_copy_and_a_layer_slice():
-    """The checker itself: a copy of the pool and a layer slice are caught, a scatter is not."""
+    """The checker itself: a copy of the pool, a layer slice and a custom call's new buffer are
+    caught; a scatter and a custom call whose result aliases its operand are not."""
     hlo = "\n".join(
         [
             "ENTRY %main () -> f32[] {",
             f"  %p = f32[3,{KVH},{N},{BS},{D}]{{4,3,2,1,0}} parameter(0)",
             f"  %c = f32[3,{KVH},{N},{BS},{D}]{{4,3,2,1,0}} copy(%p)",
             f"  %s = f32[{KVH},{N},{BS},{D}]{{3,2,1,0}} dynamic-slice(%p, %i)",
+            f"  %w = f32[3,{KVH},{N},{BS},{D}]{{4,3,2,1,0}} custom-call(%p, %x), "
+            'custom_call_target="w", output_to_operand_aliasing={{}: (0, {})}',
+            f"  %f = f32[3,{KVH},{N},{BS},{D}]{{4,3,2,1,0}} custom-call(%p, %x), "
+            'custom_call_target="f"',
             f"  ROOT %u = f32[3,{KVH},{N},{BS},{D}]{{4,3,2,1,0}} scatter(%p, %i, %x)",
             "}",
         ]
     )
     bad = _large_buffers(hlo)
-    assert len(bad) == 2 and "copy" in bad[0] and "dynamic-slice" in bad[1]
+    assert len(bad) == 3 and "copy" in bad[0] and "dynamic-slice" in bad[1]
+    assert 'custom_call_target="f"' in bad[2]  # a custom call's own (not aliased) result
 
 
-def test_engine_programs_do_not_copy_the_pool():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float16"])
+def test_engine_programs_do_not_copy_the_pool(kv_cache_dtype):
+    """Also for a 16-bit cache under a float32 model: XLA's CPU backend would widen a 16-bit
+    pool to float32 around every scatter into it (the K/V writes, copy-on-write)."""
     cfg = ModelConfig(
         model_type="llama",
         vocab_size=256,
@@ -90,7 +103,14 @@ def test_engine_programs_do_not_copy_the_pool():
     )
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     lm = LoadedModel(model, None, cfg, GenerationConfig(eos_token_ids=[1]), "tiny")
-    llm = LLM(lm, num_kv_blocks=N, block_size=BS, max_num_seqs=4, max_model_len=128)
+    llm = LLM(
+        lm,
+        num_kv_blocks=N,
+        block_size=BS,
+        max_num_seqs=4,
+        max_model_len=128,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 256, size=n).tolist()} for n in (5, 9, 3)]
     # n = 2 forks share the prompt's partial block, so copy-on-write runs inside the programs.

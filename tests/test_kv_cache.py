@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from jax_paged import block_manager as bm
-from jax_paged.kv_cache import KVCache, bytes_per_block, copy_blocks, num_blocks_for_budget, write
+from jax_paged.kv_cache import (
+    KVCache,
+    bytes_per_block,
+    copy_blocks,
+    num_blocks_for_budget,
+    scatter,
+    write,
+)
 
 
 def test_sizing_from_a_budget():
@@ -24,38 +31,68 @@ def test_sizing_from_a_budget():
         KVCache.create(3, 2, 8, num_blocks=4, memory_bytes=1 << 20)
 
 
-def test_write_lands_at_slots_in_place_and_padding_goes_to_the_null_block():
-    c = KVCache.create(2, 3, 4, block_size=4, num_blocks=5)
+# A bfloat16 pool on the CPU is written by the native library (XLA's CPU scatter would widen the
+# whole pool); float32 and float16 by XLA's scatter. Each must land exactly the same.
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_lands_at_slots_in_place_and_padding_goes_to_the_null_block(dtype):
+    c = KVCache.create(2, 3, 4, block_size=4, num_blocks=5, dtype=dtype)
     rng = np.random.default_rng(0)
-    k = rng.normal(size=(6, 3, 4)).astype(np.float32)
-    v = rng.normal(size=(6, 3, 4)).astype(np.float32)
-    slots = np.array([5, 6, 0, 19, 8, 0])  # slots 0: padding
+    k = np.asarray(jnp.asarray(rng.normal(size=(7, 3, 4)), dtype), np.float32)
+    v = np.asarray(jnp.asarray(rng.normal(size=(7, 3, 4)), dtype), np.float32)
+    slots = np.array([5, 6, 0, 19, 8, 0, 20])  # slots 0: padding; 20: past the pool, dropped
     old = c.k
     c = write(c, 1, k, v, slots)
     assert old.is_deleted()  # donated: updated in place
+    assert c.k.dtype == dtype
     want_k, want_v = np.zeros(c.k.shape, np.float32), np.zeros(c.v.shape, np.float32)
-    for t, sl in enumerate(slots):
+    for t, sl in enumerate(slots[:-1]):
         want_k[1, :, sl // 4, sl % 4] = k[t]
         want_v[1, :, sl // 4, sl % 4] = v[t]
     # Real blocks hold exactly the written tokens; block 0 (padding) holds garbage.
-    np.testing.assert_array_equal(np.asarray(c.k)[:, :, 1:], want_k[:, :, 1:])
-    np.testing.assert_array_equal(np.asarray(c.v)[:, :, 1:], want_v[:, :, 1:])
+    np.testing.assert_array_equal(np.asarray(c.k, np.float32)[:, :, 1:], want_k[:, :, 1:])
+    np.testing.assert_array_equal(np.asarray(c.v, np.float32)[:, :, 1:], want_v[:, :, 1:])
 
 
-def test_copy_blocks_copies_all_layers_and_heads_and_skips_null_pairs():
-    c = KVCache.create(2, 2, 3, block_size=2, num_blocks=6)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_in_a_scan_over_layers(dtype):
+    """The layer index traced, as in the models' scanned layers."""
+    c = KVCache.create(3, 2, 8, block_size=4, num_blocks=6, dtype=dtype)
+    rows = jnp.arange(3 * 2 * 2 * 8, dtype=jnp.float32).reshape(3, 2, 2, 8)
+    slots = jnp.array([9, 22])
+
+    def body(cache, layer):
+        return scatter(cache, layer, rows[layer], rows[layer] + 0.5, slots), None
+
+    c, _ = jax.jit(lambda c: jax.lax.scan(body, c, jnp.arange(3)), donate_argnums=0)(c)
+    k, v = np.asarray(c.k, np.float32), np.asarray(c.v, np.float32)
+    for layer in range(3):
+        for t, sl in enumerate([9, 22]):
+            np.testing.assert_array_equal(k[layer, :, sl // 4, sl % 4], rows[layer, t])
+            np.testing.assert_array_equal(v[layer, :, sl // 4, sl % 4], rows[layer, t] + 0.5)
+    assert np.count_nonzero(k) == np.count_nonzero(rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_copies_all_layers_and_heads_and_skips_null_pairs(dtype):
+    c = KVCache.create(2, 2, 3, block_size=2, num_blocks=6, dtype=dtype)
     rng = np.random.default_rng(1)
     c = c.replace(
-        k=jnp.asarray(rng.normal(size=c.k.shape), jnp.float32),
-        v=jnp.asarray(rng.normal(size=c.v.shape), jnp.float32),
+        k=jnp.asarray(rng.normal(size=c.k.shape), dtype),
+        v=jnp.asarray(rng.normal(size=c.v.shape), dtype),
     )
-    k0, v0 = np.asarray(c.k), np.asarray(c.v)
-    c = copy_blocks(c, jnp.array([2, 0, 4, 0]), jnp.array([5, 0, 1, 0]))
+    k0, v0 = np.asarray(c.k, np.float32), np.asarray(c.v, np.float32)
+    # 2 -> 5 and a chain 4 -> 1 -> 3: block 3 gets block 1's old contents.
+    c = copy_blocks(c, jnp.array([2, 0, 4, 0, 1]), jnp.array([5, 0, 1, 0, 3]))
     want_k, want_v = k0.copy(), v0.copy()
     want_k[:, :, 5], want_v[:, :, 5] = k0[:, :, 2], v0[:, :, 2]
     want_k[:, :, 1], want_v[:, :, 1] = k0[:, :, 4], v0[:, :, 4]
-    np.testing.assert_array_equal(c.k, want_k)
-    np.testing.assert_array_equal(c.v, want_v)
+    want_k[:, :, 3], want_v[:, :, 3] = k0[:, :, 1], v0[:, :, 1]
+    assert c.k.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(c.k, np.float32), want_k)
+    np.testing.assert_array_equal(np.asarray(c.v, np.float32), want_v)
 
 
 def test_block_manager_slots_and_pages_reproduce_dense_kv():
