@@ -33,6 +33,10 @@ that every system generates exactly B x max_tokens tokens. Per batch size:
    ``paired_share_of_bound`` is the median over rounds of its step time / the slowest pool's
    decode step in the same round, the decode step's share of the bound with drift cancelled
    (the decode steps run at contexts from the prompt up to the prompt + rounds x steps).
+   The dense forward reads no K/V, which a decode step cannot avoid: ``read_bandwidth_gb_s``
+   (a jitted sum over 512 MB, best of 5) prices each round's live K/V bytes
+   (``kv_read_floor_seconds``), and ``paired_share_of_bound_with_kv_read`` is the median over
+   rounds of (dense step + that floor) / the slowest pool's step.
 2. ``dense_bound``: the model's own jitted dense forward ``loaded.model(tokens[B, 1])`` (one
    token per sequence, no cache, LM head included), on the weights as the engine holds them
    (`models.llama.prepare_layer_weights`: per-layer kernels on a CPU), best of 5 after a warm-up:
@@ -282,6 +286,32 @@ def dense_bound(step, state, tokens: np.ndarray) -> dict:
     )
 
 
+def read_bandwidth(nbytes: int = 512 << 20) -> float:
+    """Bytes/s at which XLA reads memory here: a jitted sum over ``nbytes`` of float32 (far
+    beyond the caches), best of 5 after a warm-up. What reading the live K/V must cost at least."""
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    jax.block_until_ready(total(x))
+    best = float("inf")
+    for _ in range(BOUND_TRIALS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(total(x))
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return nbytes / best
+
+
+def kv_bytes_per_step(config, contexts: np.ndarray, itemsize: int) -> float:
+    """Bytes of K and V a decode step must read: every layer, every row's visible keys (its
+    context, or the layer's sliding window)."""
+    total = 0
+    for layer in range(config.num_layers):
+        window = config.window_of(layer)
+        seen = contexts if window is None else np.minimum(contexts, window)
+        total += int(seen.sum())
+    return 2.0 * total * config.num_kv_heads * config.head_dim * itemsize
+
+
 def contiguous_decode(model, prompts: list[list[int]], max_tokens: int) -> dict:
     """Per-step time of the same model decoding with a plain contiguous KV cache in JAX.
 
@@ -312,6 +342,7 @@ def pool_step_times(
     block_size: int,
     dense=None,
     kv_cache_dtype: str = "auto",
+    bandwidth: float | None = None,
 ) -> dict:
     """Decode-step time at every KV pool size, the pools alternated every ``steps`` steps.
 
@@ -329,6 +360,12 @@ def pool_step_times(
     ``dense`` = ``(step, state, tokens i32[B, 1])``, the bound's jitted dense forward: it then
     takes its turn in every round too (``steps`` calls), and ``paired_share_of_bound`` is the
     median over rounds of its step time / the slowest pool's step time in that round.
+
+    ``bandwidth`` (bytes/s, `read_bandwidth`): each round's decode step must also read the live
+    K/V (`kv_bytes_per_step` at the round's mean context), which the dense forward never does;
+    ``kv_read_floor_seconds`` is that read at this bandwidth per round and
+    ``paired_share_of_bound_with_kv_read`` the median over rounds of (dense step + floor) / the
+    slowest pool's step: the step against the bound that includes the memory it must read.
     """
     from jax import lax
 
@@ -353,6 +390,7 @@ def pool_step_times(
             kv_cache_dtype=kv_cache_dtype,
         )
         state = jax.jit(dec.prefill)(dec.params, dec.init(sp), padded, lens)[0]
+        itemsize = jnp.dtype(dec.kv_dtype).itemsize
 
         def scan(params, state, dec=dec):
             return lax.scan(lambda s, _: dec.decode_step(params, s), state, None, length=steps)
@@ -398,6 +436,18 @@ def pool_step_times(
         spread=max(med.values()) / min(med.values()) - 1.0,
         paired_spread=statistics.median(per_round),
     )
+    if dense_times and bandwidth:
+        # Step i of round r attends to len + steps * (r + 1) + i + 1 keys.
+        floors = [
+            kv_bytes_per_step(model.config, lens + steps * (r + 1) + (steps + 1) / 2, itemsize)
+            / bandwidth
+            for r in range(rounds)
+        ]
+        out["read_bandwidth_gb_s"] = bandwidth / 1e9
+        out["kv_read_floor_seconds"] = floors
+        out["paired_share_of_bound_with_kv_read"] = statistics.median(
+            (dense_times[r] + floors[r]) / max(times[n][r] for n in names) for r in range(rounds)
+        )
     if dense_times:
         out["dense_bound_step_seconds"] = statistics.median(dense_times)
         out["runs_dense_bound_step_seconds"] = [round(t, 5) for t in dense_times]
@@ -667,6 +717,7 @@ def run(argv=None) -> dict:
     )
 
     dense_step, dense_state = make_dense_step(loaded.model)
+    bandwidth = read_bandwidth() if args.pool_rounds else None
     per_batch, first_check = {}, None
     for b in args.batch_sizes:
         ids = all_ids[:b]
@@ -825,6 +876,7 @@ def run(argv=None) -> dict:
                 args.block_size,
                 dense=(dense_step, dense_state, np.asarray([[p[0]] for p in ids], np.int32)),
                 kv_cache_dtype=args.kv_cache_dtype,
+                bandwidth=bandwidth,
             )
 
     result = dict(
@@ -850,6 +902,7 @@ def run(argv=None) -> dict:
         hf=hf_info,
         hf_matches_first_tokens=None if first_check is None else first_check["match"],
         hf_first_tokens=first_check,
+        read_bandwidth_gb_s=None if bandwidth is None else bandwidth / 1e9,
         results=per_batch,
     )
     rows = per_batch.values()
@@ -886,6 +939,9 @@ def run(argv=None) -> dict:
         paired_decode_step_share_of_bound_at_least_0_9_at_b64=None
         if not args.pool_rounds or "64" not in per_batch
         else per_batch["64"]["pool_steps"]["paired_share_of_bound"] >= 0.9,
+        paired_decode_step_share_of_bound_with_kv_read_at_least_0_9_at_b64=None
+        if not args.pool_rounds or "64" not in per_batch
+        else per_batch["64"]["pool_steps"]["paired_share_of_bound_with_kv_read"] >= 0.9,
         paged_over_hf_at_least_1_8_at_b64=None if hf64 is None else hf64 >= 1.8,
         best_paged_over_best_hf_at_least_2=None if ratio is None else ratio >= 2.0,
         compile_at_most_15s_per_program=None if compile_max is None else compile_max <= 15.0,

@@ -81,8 +81,29 @@ def test_bench_decode_quick(tiny_llama, capsys):
     slow = [max(steps["pools"][p]["runs_step_seconds"][r] for p in res["pools"]) for r in (0, 1)]
     want = sorted(dense[r] / slow[r] for r in (0, 1))
     assert steps["paired_share_of_bound"] == pytest.approx(sum(want) / 2, rel=0.05)  # rounded runs
+    # The K/V the decode steps must read, priced at the measured bandwidth, added to the bound.
+    assert res["read_bandwidth_gb_s"] > 0 and len(steps["kv_read_floor_seconds"]) == 2
+    floor = steps["kv_read_floor_seconds"]
+    assert 0 < floor[0] < floor[1]  # round 2 reads longer contexts
+    want = sorted((dense[r] + floor[r]) / slow[r] for r in (0, 1))
+    assert steps["paired_share_of_bound_with_kv_read"] == pytest.approx(sum(want) / 2, rel=0.05)
     hf_run = row["hf"]["runs_tokens_per_s"][0]
     assert row["paired"]["paged_over_hf"] == pytest.approx(slowest / hf_run, rel=1e-3)
+
+
+def test_kv_bytes_per_step_counts_windows():
+    bench = _load_script()
+    from models.config import ModelConfig
+
+    kw = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_heads=4, head_dim=2)
+    full = ModelConfig(model_type="llama", num_layers=2, num_kv_heads=2, **kw)
+    ctx = np.array([3, 10])
+    # 2 layers x 13 keys x (K and V) x 2 KV heads x 2 dims x 4 bytes
+    assert bench.kv_bytes_per_step(full, ctx, 4) == 2 * 13 * 2 * 2 * 2 * 4
+    windowed = ModelConfig(
+        model_type="llama", num_layers=2, num_kv_heads=2, layer_windows=[4, None], **kw
+    )
+    assert bench.kv_bytes_per_step(windowed, ctx, 2) == (3 + 4 + 13) * 2 * 2 * 2 * 2
 
 
 def test_hf_tensors_per_layer_and_stacked_agree():
