@@ -98,6 +98,7 @@ from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
+from jax_paged.config import KV_CACHE_DTYPES  # noqa: E402
 from models.llama import prepare_layer_weights  # noqa: E402
 
 DEFAULTS = dict(
@@ -642,7 +643,7 @@ def parse_args(argv):
     ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=KV_CACHE_DTYPES,
         help="jax-paged's KV pages (auto: the model's dtype)",
     )
     ap.add_argument("--steps", type=int, default=32, help="max_decode_steps (per device call)")

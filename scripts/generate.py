@@ -44,6 +44,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jax_paged import LLM, SamplingParams  # noqa: E402
+from jax_paged.config import KV_CACHE_DTYPES  # noqa: E402
 from jax_paged.outputs import describe_error  # noqa: E402
 from models.loading import CHECKPOINT_MARKER  # noqa: E402
 
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=KV_CACHE_DTYPES,
         help="the KV pages' dtype (auto: the model's)",
     )
     e.add_argument(
