@@ -215,17 +215,9 @@ def write_rows(pages: jax.Array, layer, blk: jax.Array, off: jax.Array, rows: ja
     pool, three passes per layer and step); this moves the rows' bytes only. Raises
     RuntimeError where the library is unavailable.
     """
-    why = build_error()
-    if why is not None:
-        raise RuntimeError(f"the native CPU kernels are unavailable: {why}")
-    call = jax.ffi.ffi_call(
-        "jax_paged_cpu_write_rows",
-        jax.ShapeDtypeStruct(pages.shape, pages.dtype),
-        input_output_aliases={0: 0},
-        vmap_method="sequential",
-    )
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return call(pages, rows.astype(pages.dtype), i32(layer).reshape(()), i32(blk), i32(off))
+    args = (rows.astype(pages.dtype), i32(layer).reshape(()), i32(blk), i32(off))
+    return _update_in_place("jax_paged_cpu_write_rows", pages, *args)
 
 
 def copy_pages(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
@@ -236,13 +228,19 @@ def copy_pages(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
     destination is written. The result aliases ``pages``. Raises RuntimeError where the
     library is unavailable.
     """
+    args = (jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+    return _update_in_place("jax_paged_cpu_copy_pages", pages, *args)
+
+
+def _update_in_place(target: str, pages: jax.Array, *args) -> jax.Array:
+    """The FFI call ``target(pages, *args)``, whose result is ``pages``' own buffer."""
     why = build_error()
     if why is not None:
         raise RuntimeError(f"the native CPU kernels are unavailable: {why}")
     call = jax.ffi.ffi_call(
-        "jax_paged_cpu_copy_pages",
+        target,
         jax.ShapeDtypeStruct(pages.shape, pages.dtype),
         input_output_aliases={0: 0},
         vmap_method="sequential",
     )
-    return call(pages, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+    return call(pages, *args)
