@@ -16,7 +16,6 @@
 #include <cstring>
 #include <memory>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -134,11 +133,6 @@ struct Problem {
   float cap;       // 0: none
 };
 
-// The page holding key j of a sequence (clamped into the pool: a wild entry must not fault).
-inline int64_t Page(const Problem& p, const int32_t* table, int64_t j) {
-  return std::clamp<int64_t>(table[j / p.bs], 0, p.N - 1);
-}
-
 // Asks for a page's cache lines ahead of use: pages are scattered over the pool, so the
 // hardware prefetcher, which follows a stream, cannot guess the next one.
 template <typename T>
@@ -189,7 +183,7 @@ void AttendRow(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scra
   const T* kbase = static_cast<const T*>(p.k);
   const T* vbase = static_cast<const T*>(p.v);
   // Each visible key's row offset in the pages (the same for K and V), page by page: no
-  // division per key.
+  // division per key. Table entries are clamped into the pool: a wild one must not fault.
   int64_t* offs = OffsetScratch(n);
   for (int64_t j = lo, pg = lo / bs, in = lo % bs; j <= hi; ++pg, in = 0) {
     const int64_t first = (head + std::clamp<int64_t>(table[pg], 0, p.N - 1)) * bs;
