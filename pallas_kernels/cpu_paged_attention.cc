@@ -22,7 +22,45 @@
 
 namespace ffi = xla::ffi;
 
+// The library is compiled in parts, in parallel (cpu_paged_attention.py): JAX_PAGED_PART 0 holds
+// the handlers and the float32 kernels, 1 the bfloat16 and 2 the float16 ones. Unset, one
+// translation unit holds everything.
+#if !defined(JAX_PAGED_PART)
+#define JAX_PAGED_PART_0 1
+#define JAX_PAGED_PART_1 1
+#define JAX_PAGED_PART_2 1
+#else
+#define JAX_PAGED_PART_0 (JAX_PAGED_PART == 0)
+#define JAX_PAGED_PART_1 (JAX_PAGED_PART == 1)
+#define JAX_PAGED_PART_2 (JAX_PAGED_PART == 2)
+#endif
+
+namespace jax_paged_cpu {
+
+struct Problem {
+  const void* q;       // [T, H, D] float32
+  const void* k;       // [L, KVH, N, bs, D]
+  const void* v;       // [L, KVH, N, bs, D]
+  void* out;           // [T, H, D] float32
+  const int32_t* tables;  // [S, P]
+  const int32_t* seq;     // [T] each row's sequence
+  const int32_t* pos;     // [T] each row's position, -1 for padding rows
+  int64_t T, H, KVH, N, bs, D, S, P, G, layer;
+  float scale;
+  int64_t window;  // 0: none
+  float cap;       // 0: none
+};
+
+// The kernel for each dtype of the pages, each defined in its own part.
+void RunF32(const Problem& p, ffi::ThreadPool& pool);
+void RunBF16(const Problem& p, ffi::ThreadPool& pool);
+void RunF16(const Problem& p, ffi::ThreadPool& pool);
+
+}  // namespace jax_paged_cpu
+
 namespace {
+
+using jax_paged_cpu::Problem;
 
 struct BF16 {
   uint16_t bits;
@@ -119,19 +157,6 @@ inline V16 TransposeSum16(const V16* v) {
          SHUFFLE(c[0], c[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
-struct Problem {
-  const void* q;       // [T, H, D] float32
-  const void* k;       // [L, KVH, N, bs, D]
-  const void* v;       // [L, KVH, N, bs, D]
-  void* out;           // [T, H, D] float32
-  const int32_t* tables;  // [S, P]
-  const int32_t* seq;     // [T] each row's sequence
-  const int32_t* pos;     // [T] each row's position, -1 for padding rows
-  int64_t T, H, KVH, N, bs, D, S, P, G, layer;
-  float scale;
-  int64_t window;  // 0: none
-  float cap;       // 0: none
-};
 
 // Asks for a page's cache lines ahead of use: pages are scattered over the pool, so the
 // hardware prefetcher, which follows a stream, cannot guess the next one.
@@ -381,6 +406,21 @@ void Run(const Problem& p, ffi::ThreadPool& pool) {
   while (shared->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
 }
 
+}  // namespace
+
+#if JAX_PAGED_PART_0
+void jax_paged_cpu::RunF32(const Problem& p, ffi::ThreadPool& pool) { Run<float>(p, pool); }
+#endif
+#if JAX_PAGED_PART_1
+void jax_paged_cpu::RunBF16(const Problem& p, ffi::ThreadPool& pool) { Run<BF16>(p, pool); }
+#endif
+#if JAX_PAGED_PART_2
+void jax_paged_cpu::RunF16(const Problem& p, ffi::ThreadPool& pool) { Run<_Float16>(p, pool); }
+#endif
+
+#if JAX_PAGED_PART_0
+namespace {
+
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> pos,
@@ -425,13 +465,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   p.cap = soft_cap;
   switch (k.element_type()) {  // the pages' dtype
     case ffi::DataType::F32:
-      Run<float>(p, pool);
+      jax_paged_cpu::RunF32(p, pool);
       break;
     case ffi::DataType::BF16:
-      Run<BF16>(p, pool);
+      jax_paged_cpu::RunBF16(p, pool);
       break;
     case ffi::DataType::F16:
-      Run<_Float16>(p, pool);
+      jax_paged_cpu::RunF16(p, pool);
       break;
     default:
       return ffi::Error::InvalidArgument("dtype must be float32, bfloat16 or float16");
@@ -534,3 +574,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxPagedCpuCopyPages, CopyPagesImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // src
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dst
                                   .Ret<ffi::AnyBuffer>());       // pages, aliased
+
+#endif  // JAX_PAGED_PART_0

@@ -18,11 +18,12 @@ that every system generates exactly B x max_tokens tokens. Per batch size:
    null block); ``MiB``/``GiB`` is ``kv_cache_memory_bytes``. One `LLM` per pool, built once and
    warmed up (the warm-up run compiles every shape, and is reported apart: ``warmup_seconds``,
    ``compile_seconds``, ``compiled_variants``, and ``compile_seconds_by_program`` with its max
-   when the engine reports it). Output tokens/s is output tokens / wall time of `generate`
-   (prefill included), the median over ``--repeats``. ``pool_spread`` = max / min - 1 over the
-   pools (goal < 5%). Prefix caching is off unless ``--prefix-caching`` (the repeats reuse the
-   same prompts, which would otherwise turn into cache hits in the pools large enough to keep
-   them, and HF recomputes every prompt).
+   when the engine reports it; on a CPU the native kernel's one-time build, cached per machine,
+   comes first and apart: ``native_cpu_kernel``). Output tokens/s is output tokens / wall time
+   of `generate` (prefill included), the median over ``--repeats``. ``pool_spread`` = max / min
+   - 1 over the pools (goal < 5%). Prefix caching is off unless ``--prefix-caching`` (the
+   repeats reuse the same prompts, which would otherwise turn into cache hits in the pools
+   large enough to keep them, and HF recomputes every prompt).
    ``pool_steps`` (``--pool-rounds``, default 9; 0 skips it): the same question asked of the
    decode step alone, where the machine's drift cannot hide or fake it. One
    `jax_paged.research.PagedDecoder` per pool (same block count as that pool's `LLM`) holds
@@ -254,6 +255,28 @@ def compile_report(m: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 # The dense-forward bound
+
+
+def native_kernel_report() -> dict | None:
+    """The native CPU kernel's one-time build (per machine, cached on disk like an installed
+    extension; ``.ci/setup.sh`` builds it), done here before any program compiles so that it
+    is reported apart from the programs' compile times. None off the CPU."""
+    if jax.default_backend() != "cpu":
+        return None
+    from pallas_kernels import cpu_paged_attention as cpu
+
+    try:
+        was_cached = cpu.library_path().exists()
+    except RuntimeError:
+        was_cached = False
+    t0 = time.perf_counter()
+    ok = cpu.available()
+    return dict(
+        available=ok,
+        build_error=cpu.build_error(),
+        was_cached=was_cached,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
 
 
 def make_dense_step(model):
@@ -678,6 +701,9 @@ def parse_args(argv):
 def run(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    native = native_kernel_report()
+    if native is not None:
+        _log(f"native CPU kernel: {native}")
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     loaded = models.load(args.model, dtype=dt)
     cfg = loaded.config
@@ -904,6 +930,7 @@ def run(argv=None) -> dict:
         hf_matches_first_tokens=None if first_check is None else first_check["match"],
         hf_first_tokens=first_check,
         read_bandwidth_gb_s=None if bandwidth is None else bandwidth / 1e9,
+        native_cpu_kernel=native,
         results=per_batch,
     )
     rows = per_batch.values()

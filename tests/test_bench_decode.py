@@ -87,6 +87,10 @@ def test_bench_decode_quick(tiny_llama, capsys):
     assert 0 < floor[0] < floor[1]  # round 2 reads longer contexts
     want = sorted((dense[r] + floor[r]) / slow[r] for r in (0, 1))
     assert steps["paired_share_of_bound_with_kv_read"] == pytest.approx(sum(want) / 2, rel=0.05)
+    # The native kernel's one-time build is reported apart from the programs' compile times.
+    native = res["native_cpu_kernel"]
+    assert native["available"] and native["build_error"] is None
+    assert isinstance(native["was_cached"], bool) and native["seconds"] >= 0
     hf_run = row["hf"]["runs_tokens_per_s"][0]
     assert row["paired"]["paged_over_hf"] == pytest.approx(slowest / hf_run, rel=1e-3)
 

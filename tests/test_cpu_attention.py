@@ -182,3 +182,15 @@ def test_without_a_compiler_auto_stays_on_xla(tmp_path):
 def test_turned_off_by_env():
     out = _fresh_process({"JAX_PAGED_NATIVE": "0", "JAX_PLATFORMS": "cpu"}, CHOICE)
     assert out == "xla | turned off by JAX_PAGED_NATIVE=0"
+
+
+def test_library_path_names_the_cached_build(tmp_path, monkeypatch):
+    """The key follows the compiler flags; a build lands exactly where library_path() says."""
+    monkeypatch.setenv("JAX_PAGED_CACHE_DIR", str(tmp_path))
+    path = cpu.library_path()
+    assert path.parent == tmp_path and not path.exists()
+    monkeypatch.setattr(cpu, "_FLAGS", (*cpu._FLAGS, "-DJAX_PAGED_UNUSED=1"))
+    other = cpu.library_path()
+    assert other != path
+    assert cpu._build() == other and other.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [other.name]  # no object files left behind
