@@ -159,12 +159,14 @@ inline V16 TransposeSum16(const V16* v) {
 
 
 // Asks for a page's cache lines ahead of use: pages are scattered over the pool, so the
-// hardware prefetcher, which follows a stream, cannot guess the next one.
+// hardware prefetcher, which follows a stream, cannot guess the next one. Non-temporal (each
+// row is read once per work item): about 10% faster than into every cache level, in an ad-hoc
+// A/B at SmolLM2's shapes (30 layers, batch 64, contexts 60-140, pages in order or shuffled).
 template <typename T>
 inline void Prefetch(const T* first, int64_t count) {
   const char* c = reinterpret_cast<const char*>(first);
   for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) {
-    __builtin_prefetch(c + i);
+    __builtin_prefetch(c + i, 0, 0);
   }
 }
 
