@@ -157,7 +157,6 @@ inline V16 TransposeSum16(const V16* v) {
          SHUFFLE(c[0], c[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
-
 // Asks for a page's cache lines ahead of use: pages are scattered over the pool, so the
 // hardware prefetcher, which follows a stream, cannot guess the next one. Non-temporal: each
 // row is read once per work item (in an ad-hoc A/B, as fast as into every cache level with

@@ -64,10 +64,12 @@ The paged tokens/s that the ratios use is the slowest pool's (``paged_tokens_per
 goal is met only if every pool meets it. Repeats are interleaved (each repeat runs every system
 once, in a rotated order); ``paired`` gives the median over repeats of the ratios taken inside
 each repeat (``pool_spread``, ``paged_over_hf``), which cancels drift of the machine's speed
-between repeats (the goals use the medians above). Preemptions and compile seconds inside timed
-runs are reported and should be 0. ``--compare-single-step`` adds an engine with
-``max_decode_steps=1`` (a host round trip per token) at the first pool and reports
-``multi_over_single_speedup``. The persistent
+between repeats. The goals use the medians above; the pool spreads also have a paired goal each
+(``paired_pool_spread_under_5pct``, ``paired_pool_step_spread_under_5pct``), and the decode
+step's share of the bound is judged both ways (``paired_decode_step_share_...``). Preemptions
+and compile seconds inside timed runs are reported and should be 0. ``--compare-single-step``
+adds an engine with ``max_decode_steps=1`` (a host round trip per token) at the first pool and
+reports ``multi_over_single_speedup``. The persistent
 compilation cache is off (``JAX_PAGED_CACHE_DIR=""``) so that compile times are real. Progress
 goes to stderr; stdout is the JSON alone.
 """
@@ -357,6 +359,16 @@ def contiguous_decode(model, prompts: list[list[int]], max_tokens: int) -> dict:
     return dict(step_seconds=step, tokens_per_s=len(prompts) / step)
 
 
+def paired_spread(series: dict[str, list[float]]) -> float:
+    """How far apart systems are, drift cancelled: each system's median over rounds of its value
+    / the first system's value in the same round, then max / min - 1 over those medians (the
+    first system's being 1). About 0 when the systems do not differ, however noisy the rounds
+    (the max / min of each round's values would grow with the noise)."""
+    first, *_ = series.values()
+    rel = [statistics.median(x / f for x, f in zip(v, first, strict=True)) for v in series.values()]
+    return max(rel) / min(rel) - 1.0
+
+
 def pool_step_times(
     model,
     prompts: list[list[int]],
@@ -378,8 +390,8 @@ def pool_step_times(
     donated) at every pool in turn, in a rotated order, each pool going on from where it
     stopped. Every pool thus sees the same contexts in the same round, and a ratio taken within
     a round cancels drift. Returns the median step seconds per pool, ``spread`` (slowest median /
-    fastest median - 1) and ``paired_spread`` (the median over rounds of that ratio taken
-    within each round).
+    fastest median - 1) and ``paired_spread`` (`paired_spread`: each pool's step time over the
+    first pool's in the same round, its median over rounds, max / min - 1).
 
     ``dense`` = ``(step, state, tokens i32[B, 1])``, the bound's jitted dense forward: it then
     takes its turn in every round too (``steps`` calls), and ``paired_share_of_bound`` is the
@@ -443,10 +455,6 @@ def pool_step_times(
                 raise RuntimeError(f"pool {name}: a row stopped decoding (no blocks?)")
     dense_times = times.pop("dense_bound")
     med = {n: statistics.median(t) for n, t in times.items()}
-    per_round = [
-        max(times[n][r] for n in names) / min(times[n][r] for n in names) - 1.0
-        for r in range(rounds)
-    ]
     for name in names:
         info[name].update(
             step_seconds=med[name], runs_step_seconds=[round(t, 5) for t in times[name]]
@@ -458,7 +466,7 @@ def pool_step_times(
         rounds=rounds,
         pools=info,
         spread=max(med.values()) / min(med.values()) - 1.0,
-        paired_spread=statistics.median(per_round),
+        paired_spread=paired_spread({n: times[n] for n in names}),
     )
     if dense_times and bandwidth:
         # Step i of round r attends to len + steps * (r + 1) + i + 1 keys.
@@ -861,11 +869,8 @@ def run(argv=None) -> dict:
             for r in range(args.repeats)
         ]
         row["paired"] = dict(
-            pool_spread=statistics.median(
-                max(runs[n][r]["output_tokens_per_s"] for n, _, _ in args.pools)
-                / per_repeat_slowest[r]
-                - 1.0
-                for r in range(args.repeats)
+            pool_spread=paired_spread(
+                {n: [x["output_tokens_per_s"] for x in runs[n]] for n, _, _ in args.pools}
             )
         )
         if args.compare_single_step:
@@ -963,6 +968,11 @@ def run(argv=None) -> dict:
         pool_step_spread_under_5pct=None
         if not args.pool_rounds
         else all(r["pool_steps"]["spread"] < 0.05 for r in rows),
+        # The same two, each ratio taken within one repeat (round) first: drift cancels.
+        paired_pool_spread_under_5pct=all(r["paired"]["pool_spread"] < 0.05 for r in rows),
+        paired_pool_step_spread_under_5pct=None
+        if not args.pool_rounds
+        else all(r["pool_steps"]["paired_spread"] < 0.05 for r in rows),
         decode_share_of_bound_at_least_0_9_at_b64=None if share64 is None else share64 >= 0.9,
         paired_decode_step_share_of_bound_at_least_0_9_at_b64=None
         if not args.pool_rounds or "64" not in per_batch

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -76,6 +77,20 @@ def test_bench_decode_quick(tiny_llama, capsys):
     medians = [s["step_seconds"] for s in steps["pools"].values()]
     assert steps["spread"] == pytest.approx(max(medians) / min(medians) - 1)
     assert res["goals"]["pool_step_spread_under_5pct"] == (steps["spread"] < 0.05)
+    ratios = [  # from the runs as reported, rounded to 10 us
+        statistics.median(
+            a / b
+            for a, b in zip(
+                s["runs_step_seconds"],
+                steps["pools"][res["pools"][0]]["runs_step_seconds"],
+                strict=True,
+            )
+        )
+        for s in steps["pools"].values()
+    ]
+    assert steps["paired_spread"] == pytest.approx(max(ratios) / min(ratios) - 1, abs=0.05)
+    assert res["goals"]["paired_pool_step_spread_under_5pct"] == (steps["paired_spread"] < 0.05)
+    assert res["goals"]["paired_pool_spread_under_5pct"] == (row["paired"]["pool_spread"] < 0.05)
     dense = steps["runs_dense_bound_step_seconds"]
     assert len(dense) == 2 and steps["dense_bound_step_seconds"] > 0
     slow = [max(steps["pools"][p]["runs_step_seconds"][r] for p in res["pools"]) for r in (0, 1)]
@@ -93,6 +108,18 @@ def test_bench_decode_quick(tiny_llama, capsys):
     assert isinstance(native["was_cached"], bool) and native["seconds"] >= 0
     hf_run = row["hf"]["runs_tokens_per_s"][0]
     assert row["paired"]["paged_over_hf"] == pytest.approx(slowest / hf_run, rel=1e-3)
+
+
+def test_paired_spread_is_unbiased_under_noise():
+    """Two pools that do not differ, in rounds whose speed swings by 2x: about 0, where the
+    per-round max / min would be large; a real 10% difference shows as 10%."""
+    bench = _load_script()
+    base = [1.0, 2.0, 1.5, 0.8, 1.9]
+    jitter = [1.01, 0.99, 1.0, 1.02, 0.98]
+    same = {"a": base, "b": [x * j for x, j in zip(base, jitter, strict=True)]}
+    assert bench.paired_spread(same) == pytest.approx(0.0, abs=0.011)
+    slower = {"a": base, "b": [1.1 * x for x in base], "c": base}
+    assert bench.paired_spread(slower) == pytest.approx(0.1)
 
 
 def test_kv_bytes_per_step_counts_windows():
