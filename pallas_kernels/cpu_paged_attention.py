@@ -22,7 +22,7 @@ The same library holds the pool's two in-place updates for a bfloat16 cache (`wr
 Building: the C++ source is compiled with the system's C++ compiler (``$CXX``, else ``c++``)
 against jaxlib's FFI headers (`jax.ffi.include_dir`), in three parts at once (the handlers with
 the float32 kernels, the bfloat16 ones, the float16 ones; about 8 s on 2 cores), linked into a
-shared library cached under ``$JAX_PAGED_CACHE_DIR`` (default ``~/.cache/jax_paged``), keyed by
+shared library cached under ``$JAX_PAGED_KERNEL_DIR`` (default ``~/.cache/jax_paged``), keyed by
 the source, the compiler, the flags and the CPU (`library_path`), and registered with XLA once
 per process. ``.ci/setup.sh`` builds it, so the first `generate` does not. ``-march=native``:
 the library is built for the machine that runs it. Where no compiler is found or the build
@@ -82,7 +82,7 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("JAX_PAGED_CACHE_DIR")
+    root = os.environ.get("JAX_PAGED_KERNEL_DIR")
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -126,6 +126,14 @@ def library_path() -> Path:
     return _cache_dir() / f"cpu_paged_attention-{key}.so"
 
 
+def _failure(cmd: list[str], returncode: int, stderr: str) -> str:
+    """A failed compiler run in a few lines: the command, its exit status, its errors (or the end
+    of its output when no line says error)."""
+    lines = stderr.splitlines()
+    shown = [line for line in lines if "error" in line][:10] or lines[-10:]
+    return f"{' '.join(cmd)} failed (exit status {returncode}):\n" + "\n".join(shown)
+
+
 def _build() -> Path:
     """The compiled library's path, building it if the cache lacks it. Raises RuntimeError."""
     cxx, include = _compiler(), jax.ffi.include_dir()
@@ -140,20 +148,28 @@ def _build() -> Path:
             [cxx, *_FLAGS, f"-DJAX_PAGED_PART={i}", "-I", include, "-c", str(_SOURCE), "-o", obj]
             for i, obj in enumerate(objs)
         ]
-        procs = [
-            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for cmd in cmds
-        ]
-        stderrs = [proc.communicate()[1] for proc in procs]  # waits for every part
+        procs = []
+        try:
+            for cmd in cmds:
+                procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+                    )
+                )
+            stderrs = [proc.communicate()[1] for proc in procs]  # waits for every part
+        finally:  # interrupted: no compiler may go on writing into the folder being removed
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         for cmd, proc, stderr in zip(cmds, procs, stderrs, strict=True):
             if proc.returncode != 0:
-                errors = [line for line in stderr.splitlines() if "error" in line]
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n" + "\n".join(errors[:10]))
+                raise RuntimeError(_failure(cmd, proc.returncode, stderr))
         tmp = str(Path(work) / "lib.so")
         cmd = [cxx, "-shared", *objs, "-o", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+            raise RuntimeError(_failure(cmd, res.returncode, res.stderr))
         os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
     return lib
 

@@ -269,7 +269,7 @@ def native_kernel_report() -> dict | None:
 
     try:
         was_cached = cpu.library_path().exists()
-    except RuntimeError:
+    except (OSError, RuntimeError):  # no compiler, or $CXX not runnable: available() says why
         was_cached = False
     t0 = time.perf_counter()
     ok = cpu.available()
@@ -360,10 +360,12 @@ def contiguous_decode(model, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def paired_spread(series: dict[str, list[float]]) -> float:
-    """How far apart systems are, drift cancelled: each system's median over rounds of its value
-    / the first system's value in the same round, then max / min - 1 over those medians (the
-    first system's being 1). About 0 when the systems do not differ, however noisy the rounds
-    (the max / min of each round's values would grow with the noise)."""
+    """How far apart systems are: each system's value / the first system's in the same round
+    (which cancels the drift common to a round), its median over rounds, then max / min - 1
+    over those medians (the first system's being 1). Noise of each system's own is averaged by
+    the medians before the max / min is taken, so it inflates this figure far less than the
+    median over rounds of each round's max / min - 1 (the figure this replaced), which every
+    round's noise pushes up; it still is not zero for alike systems."""
     first, *_ = series.values()
     rel = [statistics.median(x / f for x, f in zip(v, first, strict=True)) for v in series.values()]
     return max(rel) / min(rel) - 1.0
@@ -457,7 +459,7 @@ def pool_step_times(
     med = {n: statistics.median(t) for n, t in times.items()}
     for name in names:
         info[name].update(
-            step_seconds=med[name], runs_step_seconds=[round(t, 5) for t in times[name]]
+            step_seconds=med[name], runs_step_seconds=[round(t, 6) for t in times[name]]
         )
     del states
     gc.collect()

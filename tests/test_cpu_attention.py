@@ -6,6 +6,7 @@ leaves ``impl="auto"`` on the XLA path with the reason at hand."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -163,7 +164,7 @@ CHOICE = (
 
 def test_without_a_compiler_auto_stays_on_xla(tmp_path):
     out = _fresh_process(
-        {"CXX": "/bin/false", "JAX_PAGED_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"},
+        {"CXX": "/bin/false", "JAX_PAGED_KERNEL_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"},
         CHOICE,
     )
     impl, why = out.split(" | ")
@@ -175,7 +176,7 @@ def test_without_a_compiler_auto_stays_on_xla(tmp_path):
         " jnp.ones(1, jnp.int32), scale=1.0, impl='cpu')\n"
         "except ValueError as e:\n    print(e)\n"
     )
-    msg = _fresh_process({"CXX": "/bin/false", "JAX_PAGED_CACHE_DIR": str(tmp_path)}, code)
+    msg = _fresh_process({"CXX": "/bin/false", "JAX_PAGED_KERNEL_DIR": str(tmp_path)}, code)
     assert "impl='cpu' is unavailable here" in msg
 
 
@@ -184,13 +185,45 @@ def test_turned_off_by_env():
     assert out == "xla | turned off by JAX_PAGED_NATIVE=0"
 
 
-def test_library_path_names_the_cached_build(tmp_path, monkeypatch):
-    """The key follows the compiler flags; a build lands exactly where library_path() says."""
-    monkeypatch.setenv("JAX_PAGED_CACHE_DIR", str(tmp_path))
+_PARTS_SOURCE = """
+#if JAX_PAGED_PART == 0
+extern "C" int part0() { return 10; }
+#elif JAX_PAGED_PART == 1
+extern "C" int part1() { return 11; }
+#else
+extern "C" int part2() { return 12; }
+#endif
+"""
+
+
+def test_build_links_the_parts_where_library_path_says(tmp_path, monkeypatch):
+    """The build machinery on a small stand-in source: the three parts compile and link into one
+    library at library_path(), whose key follows the flags, and no object file stays behind."""
+    src = tmp_path / "parts.cc"
+    src.write_text(_PARTS_SOURCE)
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(cpu, "_SOURCE", src)
+    monkeypatch.setenv("JAX_PAGED_KERNEL_DIR", str(cache))
     path = cpu.library_path()
-    assert path.parent == tmp_path and not path.exists()
+    assert path.parent == cache and not path.exists()
     monkeypatch.setattr(cpu, "_FLAGS", (*cpu._FLAGS, "-DJAX_PAGED_UNUSED=1"))
-    other = cpu.library_path()
-    assert other != path
-    assert cpu._build() == other and other.exists()
-    assert [p.name for p in tmp_path.iterdir()] == [other.name]  # no object files left behind
+    built = cpu.library_path()
+    assert built != path
+    assert cpu._build() == built and built.exists()
+    assert [p.name for p in cache.iterdir()] == [built.name]
+    lib = ctypes.cdll.LoadLibrary(str(built))
+    assert (lib.part0(), lib.part1(), lib.part2()) == (10, 11, 12)
+
+
+def test_a_failing_part_says_which_and_why(tmp_path, monkeypatch):
+    src = tmp_path / "parts.cc"
+    src.write_text(_PARTS_SOURCE + "\n#if JAX_PAGED_PART == 2\n#error part two is broken\n#endif\n")
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(cpu, "_SOURCE", src)
+    monkeypatch.setenv("JAX_PAGED_KERNEL_DIR", str(cache))
+    with pytest.raises(RuntimeError) as e:
+        cpu._build()
+    msg = str(e.value)
+    assert "-DJAX_PAGED_PART=2" in msg and "exit status 1" in msg
+    assert "part two is broken" in msg
+    assert list(cache.iterdir()) == []  # no library, no leftover objects
