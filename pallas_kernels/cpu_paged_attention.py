@@ -51,10 +51,10 @@ from pallas_kernels.layout import decode_as_ragged, ragged_rows, stacked_pages
 __all__ = [
     "available",
     "build_error",
-    "library_path",
     "copy_pages",
     "cpu_paged_attention_decode",
     "cpu_ragged_paged_attention",
+    "library_path",
     "write_rows",
 ]
 
