@@ -179,9 +179,20 @@ class ModelRunner:
         return self.config.max_logprobs
 
     # -- compiled calls --------------------------------------------------------------------
-    def call(self, kind: str, fn, key: tuple, args: tuple, static: dict):
+    def call(self, kind: str, fn, key: tuple, args: tuple, static: dict, *, kv: bool = True):
         """Runs ``fn`` (jitted, donating the state) compiled for bucket ``key``; blocks until
-        done and returns its outputs."""
+        done and returns its outputs.
+
+        ``kv=False``: ``fn`` neither reads nor writes the K/V pages, so the state goes in
+        without them and they are put back into the returned state. A program that returns a
+        donated input unchanged is not guaranteed to alias it: XLA on a GPU copied the pages
+        (two 39 GiB allocations for a Llama-3-8B-sized pool on an H200) where it aliased them
+        on the CPU.
+        """
+        if not kv:
+            pages = args[0].kv
+            state, *rest = self.call(kind, fn, key, (args[0].replace(kv=None), *args[1:]), static)
+            return (state.replace(kv=pages), *rest)
         ckey = (kind,) + key
         if self.mesh is not None:  # host inputs as global arrays (several hosts: the same)
             args = shard.put_replicated(args, self.mesh)
@@ -249,7 +260,9 @@ class ModelRunner:
             parent[i], child[i] = p, c
         _, q_tokens, q_len = self.token_rows((-1, t) for t in lookup)
         args = (self.state, self._free_mask(free), parent, child, q_tokens, q_len)
-        self.state, num_free, hit, revive = self.call("prepare", runner.prepare, (), args, {})
+        self.state, num_free, hit, revive = self.call(
+            "prepare", runner.prepare, (), args, {}, kv=False
+        )
         found = [(int(hit[i]), int(revive[i])) for i in range(len(lookup))]
         return int(num_free), found
 
@@ -288,7 +301,7 @@ class ModelRunner:
                 n_out[i] = len(s.output_token_ids)
             args = (self.state, *match, slots, n_out)
             key, fn = (m,), _admit_untracked
-        self.state, cached, num_free = self.call("admit", fn, key, args, {})
+        self.state, cached, num_free = self.call("admit", fn, key, args, {}, kv=False)
         for i, c in enumerate(fresh):
             if int(cached[i]) != c.start:
                 raise RuntimeError(

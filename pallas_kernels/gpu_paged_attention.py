@@ -125,7 +125,9 @@ def _paged_attention_kernel(
         pages = block_table_ref[pl.ds(cb * pages_per_block, pages_per_block)]  # [ppb]
         k = k_pages_ref[layer, pages].reshape(bk, head_dim)  # [bk, D]
         v = v_pages_ref[layer, pages].reshape(bk, head_dim)  # [bk, D]
-        s = plgpu.dot(q, k, trans_b=True) * logit_scale  # [M, bk] f32, base-2 logits
+        # allow_tf32=False: float32 pages get IEEE float32 dots (Triton's default is TF32, about
+        # 1e-3 off); 16-bit pages are unaffected.
+        s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * logit_scale  # [M, bk] f32, base 2
         if soft_cap is not None:
             s = jnp.tanh(s) * (soft_cap * _LOG2E)
         key_pos = cb * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
@@ -138,7 +140,7 @@ def _paged_attention_kernel(
         p = jnp.where(visible, jnp.exp2(s - m_next[:, None]), 0.0)  # [M, bk]
         l_next = alpha * l_prev + p.sum(axis=-1)
         v = jnp.where((key_pos < hi)[:, None], v, jnp.zeros_like(v))  # garbage past hi
-        o_next = alpha[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v)  # [M, D]
+        o_next = alpha[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
         return o_next, m_next, l_next
 
     o = jnp.zeros((m_rows, head_dim), jnp.float32)

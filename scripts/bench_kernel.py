@@ -11,6 +11,9 @@ and context it times, interleaved in the same run and on the same data:
   the cost-of-paging baseline;
 
 and the device's copy bandwidth (``x + 1`` over a large int32 buffer, bytes read + written).
+On a GPU every GPU kernel is also timed by name (``paged_gpu``: Pallas Triton lowering,
+``paged_mosaic_gpu``: Mosaic GPU), whichever "auto" picks. ``--prefill SEQS Q_LEN CONTEXT``
+adds ragged prefill cases, in TFLOP/s against a measured bf16 matmul.
 Achieved bandwidth = (live K and V bytes + q + block tables + lengths) / time. Compile time is
 reported apart; times are medians over repeats, each repeat a loop of calls ending in one sync.
 Block tables are shuffled page ids (a fragmented pool); every sequence holds ``context`` tokens.
@@ -36,6 +39,8 @@ from pallas_kernels import gpu_paged_attention_decode, paged_attention, resolve_
 
 H, KVH, D = 32, 8, 128
 DTYPE = jnp.bfloat16
+# The GPU kernels by their `impl` name: Pallas's Triton lowering and Mosaic GPU (Hopper+).
+GPU_KERNELS = ("gpu", "mosaic_gpu")
 
 
 def _sync(x):
@@ -102,6 +107,10 @@ def build_impls(q, k_pages, v_pages, tables, kv_lens, *, scale: float, on_gpu: b
     impls = {}
     paged = jax.jit(functools.partial(paged_attention, scale=scale))
     impls["paged"] = (paged, (q, k_pages, v_pages, tables, kv_lens))
+    if on_gpu:  # every GPU kernel by name, beside the one "auto" picks
+        for name in GPU_KERNELS:
+            fn = jax.jit(functools.partial(paged_attention, scale=scale, impl=name))
+            impls[f"paged_{name}"] = (fn, impls["paged"][1])
     if on_gpu and sweep:  # the GPU kernel's tuning knobs, to pick better defaults
         for keys in (64, 128):
             for warps in (4, 8):
@@ -138,12 +147,13 @@ def build_impls(q, k_pages, v_pages, tables, kv_lens, *, scale: float, on_gpu: b
     return impls
 
 
-def bench_case(batch, context, *, block_size, repeats, on_gpu, target_s, sweep=False):
-    scale = D**-0.5
-    data = _sync(make_data(batch, context, block_size))
-    q, k_pages, v_pages, tables, kv_lens = data
-    nbytes = bytes_read(q, tables, kv_lens)
-    impls = build_impls(*data, scale=scale, on_gpu=on_gpu, sweep=sweep)
+def measure(impls, *, repeats: int, target_s: float, atol: float = 5e-2):
+    """Compiles, checks and times every ``{name: (fn, args)}``, interleaved.
+
+    Returns ({name: (median seconds, compile seconds, iters, spread)}, errors): an impl that
+    fails on this platform is reported in ``errors`` and left out; one whose output differs
+    from the first impl's by more than ``atol`` is timed and reported.
+    """
     compile_s, iters, errors = {}, {}, {}
     ref = None
     for name, (fn, args) in list(impls.items()):
@@ -160,35 +170,118 @@ def bench_case(batch, context, *, block_size, repeats, on_gpu, target_s, sweep=F
             ref = out
         else:  # the baselines compute the same attention on the same data
             errors_max = float(np.max(np.abs(out - ref)))
-            if errors_max > 5e-2:
-                errors[name] = f"max |out - paged| = {errors_max:.3g}"
+            if errors_max > atol:
+                errors[name] = f"max |out - {next(iter(impls))}| = {errors_max:.3g}"
         once = _time_loop(fn, args, 1)
         iters[name] = int(min(200, max(1, target_s / max(once, 1e-6))))
     times = {name: [] for name in impls}
     for _ in range(repeats):  # interleaved, so machine noise hits every impl alike
         for name, (fn, args) in impls.items():
             times[name].append(_time_loop(fn, args, iters[name]))
-    rows = []
+    stats = {}
     for name, ts in times.items():
         t = statistics.median(ts)
-        rows.append(
-            dict(
-                impl=name,
-                ms=round(t * 1e3, 4),
-                gbps=round(nbytes / t / 1e9, 2),
-                compile_s=round(compile_s[name], 3),
-                iters=iters[name],
-                spread=round((max(ts) - min(ts)) / t, 3),
-            )
-        )
+        stats[name] = (t, compile_s[name], iters[name], (max(ts) - min(ts)) / t)
+    return stats, errors
+
+
+def _row(name, t, compile_s, iters, spread, **extra):
+    return dict(
+        impl=name,
+        ms=round(t * 1e3, 4),
+        **extra,
+        compile_s=round(compile_s, 3),
+        iters=iters,
+        spread=round(spread, 3),
+    )
+
+
+def bench_case(batch, context, *, block_size, repeats, on_gpu, target_s, sweep=False):
+    scale = D**-0.5
+    data = _sync(make_data(batch, context, block_size))
+    q, k_pages, v_pages, tables, kv_lens = data
+    nbytes = bytes_read(q, tables, kv_lens)
+    impls = build_impls(*data, scale=scale, on_gpu=on_gpu, sweep=sweep)
+    stats, errors = measure(impls, repeats=repeats, target_s=target_s)
+    rows = [_row(n, *st, gbps=round(nbytes / st[0] / 1e9, 2)) for n, st in stats.items()]
     by = {r["impl"]: r["ms"] for r in rows}
     ratios = {}
     if "dense" in by:
         ratios["paged_over_dense_time"] = round(by["paged"] / by["dense"], 3)
     if "jax_pallas" in by:
         ratios["jax_pallas_over_paged_time"] = round(by["jax_pallas"] / by["paged"], 3)
+        for name in GPU_KERNELS:
+            if f"paged_{name}" in by:
+                ratios[f"jax_pallas_over_{name}_time"] = round(
+                    by["jax_pallas"] / by[f"paged_{name}"], 3
+                )
     return dict(
         batch=batch, context=context, bytes=nbytes, results=rows, ratios=ratios, errors=errors
+    )
+
+
+def matmul_tflops(n: int, repeats: int) -> float:
+    """Measured bf16 matmul rate in TFLOP/s: an ``n x n x n`` product, f32 accumulation."""
+    ka, kb = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(ka, (n, n), DTYPE)
+    b = jax.random.normal(kb, (n, n), DTYPE)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(DTYPE))
+    _sync(f(a, b))
+    t = statistics.median(_time_loop(f, (a, b), 10) for _ in range(repeats))
+    return 2 * n**3 / t / 1e12
+
+
+def dense_prefill(q, k, v, *, scale, q_len):
+    """Causal attention of each sequence's last ``q_len`` positions over contiguous K/V.
+
+    q: [S, q_len, H, D]; k, v: [S, KVH, C, D] (C = context) -> [S, q_len, H, D].
+    """
+    s_, t, h, d = q.shape
+    kvh, c = k.shape[1], k.shape[2]
+    out_dtype = q.dtype
+    if jax.default_backend() == "cpu":  # XLA:CPU has no bf16 x bf16 -> f32 batched dot
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    qg = q.reshape(s_, t, kvh, h // kvh, d)
+    logits = jnp.einsum("stkgd,skcd->skgtc", qg, k, preferred_element_type=jnp.float32) * scale
+    q_pos = c - q_len + jnp.arange(t)
+    mask = jnp.arange(c)[None, :] <= q_pos[:, None]  # [t, C]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    o = jnp.einsum("skgtc,skcd->stkgd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(s_, t, h, d).astype(out_dtype)
+
+
+def bench_prefill_case(num_seqs, q_len, context, *, block_size, repeats, on_gpu, target_s):
+    """Ragged prefill: ``num_seqs`` chunks of ``q_len`` tokens ending at ``context`` (the keys
+    before the chunk already cached). FLOPs = 4 H D per visible (query, key) pair."""
+    scale = D**-0.5
+    _, k_pages, v_pages, tables, kv_lens = _sync(make_data(num_seqs, context, block_size))
+    q = jax.random.normal(jax.random.key(7), (num_seqs * q_len, H, D), DTYPE)
+    cu = jnp.arange(num_seqs + 1, dtype=jnp.int32) * q_len
+    args = (q, k_pages, v_pages, tables, kv_lens, cu, jnp.int32(num_seqs))
+    impls = {"paged": (jax.jit(functools.partial(paged_attention, scale=scale)), args)}
+    if on_gpu:
+        for name in GPU_KERNELS:
+            fn = jax.jit(functools.partial(paged_attention, scale=scale, impl=name))
+            impls[f"paged_{name}"] = (fn, args)
+    b, p = tables.shape
+
+    @jax.jit
+    def gather(pages, tables):
+        return pages[:, tables].reshape(KVH, b, p * block_size, D).swapaxes(0, 1)
+
+    k_dense, v_dense = _sync((gather(k_pages, tables), gather(v_pages, tables)))
+    k_dense, v_dense = k_dense[:, :, :context], v_dense[:, :, :context]
+    q4 = q.reshape(num_seqs, q_len, H, D)
+    dense = jax.jit(functools.partial(dense_prefill, scale=scale, q_len=q_len))
+    impls["dense"] = (lambda *a: dense(*a).reshape(-1, H, D), (q4, k_dense, v_dense))
+    stats, errors = measure(impls, repeats=repeats, target_s=target_s)
+    first = context - q_len  # positions first .. context-1 see first+1 .. context keys
+    pairs = num_seqs * sum(range(first + 1, context + 1))
+    flops = 4 * H * D * pairs
+    rows = [_row(n, *st, tflops=round(flops / st[0] / 1e12, 2)) for n, st in stats.items()]
+    return dict(
+        num_seqs=num_seqs, q_len=q_len, context=context, flops=flops, results=rows, errors=errors
     )
 
 
@@ -216,6 +309,16 @@ def main(argv=None):
         "memory on accelerators, 1 GiB on the CPU)",
     )
     ap.add_argument("--sweep", action="store_true", help="GPU: also time kernel tuning variants")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        nargs=3,
+        action="append",
+        metavar=("SEQS", "Q_LEN", "CONTEXT"),
+        default=None,
+        help="also a ragged prefill case: SEQS chunks of Q_LEN tokens ending at CONTEXT "
+        "(repeatable); reported against the measured bf16 matmul rate",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     if args.quick:
@@ -263,6 +366,23 @@ def main(argv=None):
             for row in case["results"]:
                 row["frac_of_copy"] = round(row["gbps"] / report["copy_gbps"], 3)
             report["cases"].append(case)
+    if args.prefill:
+        report["matmul_tflops"] = round(matmul_tflops(8192 if on_gpu else 512, args.repeats), 2)
+        report["prefill_cases"] = []
+    for num_seqs, q_len, context in args.prefill or ():
+        print(f"prefill {num_seqs} x {q_len} at {context} ...", file=sys.stderr, flush=True)
+        case = bench_prefill_case(
+            num_seqs,
+            q_len,
+            context,
+            block_size=args.block_size,
+            repeats=args.repeats,
+            on_gpu=on_gpu,
+            target_s=args.target_ms / 1e3,
+        )
+        for row in case["results"]:
+            row["frac_of_matmul"] = round(row["tflops"] / report["matmul_tflops"], 3)
+        report["prefill_cases"].append(case)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
