@@ -30,10 +30,13 @@ pages), divided evenly among the splits.
   ``i + num_stages`` is issued into slot ``i % num_stages`` as soon as block ``i``'s P.V MMA has
   completed, so the copies of the next blocks overlap the math of this one. K and V have separate
   barriers: the Q.K^T MMA and the softmax run while V is still arriving.
-* **WGMMA** for both products: ``S = Q K^T`` with Q and K from SMEM (K through a transposed
-  descriptor, `plgpu.transpose_ref`), accumulating in float32 registers; ``O += P V`` with P
-  (rounded to the page dtype) written to SMEM and V from SMEM, accumulating in place on the
-  running output (`pl.run_state` with a pre-initialised accumulator).
+* **WGMMA** for both products: ``S = Q K^T`` with Q and K from SMEM (K^T read through a transposed
+  SMEM descriptor), accumulating in float32 registers; ``P V`` with P
+  (rounded to the page dtype) written to SMEM and V from SMEM, into a fresh float32
+  accumulator that is added to the rescaled running output. (Accumulating in place on the
+  running output, `pl.run_state` with a pre-initialised accumulator, would save those adds and
+  registers, but neither jax 0.10's nor 0.11's interpreter runs `run_state`, and the kernel
+  that is tested should be the kernel that runs.)
 * **Online softmax** in base 2 (``exp2``, ``log2(e)`` folded into the scale) on the WGMMA
   register layout; masking by position from iotas: row ``r`` sees key ``k`` when
   ``r >= G * (k - pos0)`` (causal: ``r // G >= k - pos0``), ``r < G * num_q`` (a real token)
@@ -67,13 +70,16 @@ in Pallas's Mosaic GPU interpreter (jax >= 0.10): simulated GMEM/SMEM, TMA copie
 (arrival counts, and that every completed phase is observed), WGMMA (as a float32 matmul of the
 SMEM operands), grid points one after another; the race detector checks SMEM accesses between
 TMA and threads. jax 0.10.2's interpreter has no rule for ``layout_cast`` and cannot read a
-transposed WGMMA operand, so in interpret mode (only) the layout casts are left out and K^T is
-written to an SMEM tile by the threads instead of read through a transposed descriptor; the rest
-of the body is the one that runs on the GPU. The interpreter does not check register layouts,
-WGMMA shape/tiling rules, SMEM capacity or the PTX: `jax.export(..., platforms=["cuda"])`
-lowers the kernel through Mosaic GPU on a CPU-only machine (a ``mosaic_gpu_v2`` custom call in
-the module; tests/test_mosaic_gpu_kernel.py), which checks layouts, tilings and WGMMA shapes;
-only running on a GPU checks the PTX and the hardware behaviour.
+transposed WGMMA operand, so in interpret mode (on every jax version, so CI checks one kernel)
+the layout casts are left out and K^T is written to an SMEM tile by the threads instead of read
+through a transposed descriptor; the rest of the body is the one that runs on the GPU.
+
+The interpreter does not check register layouts, WGMMA shape/tiling rules, SMEM capacity or the
+PTX: `jax.export(..., platforms=["cuda"])` lowers the kernel through Mosaic GPU on a CPU-only
+machine (a ``mosaic_gpu_v2`` custom call in the module; tests/test_mosaic_gpu_kernel.py), which
+checks layouts, tilings and WGMMA shapes; only running on a GPU checks the PTX and the hardware
+behaviour. The interpreter runs and the lowering pass under jax 0.10.2 and 0.11.2; the kernel
+has not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -227,7 +233,7 @@ def _paged_attention_kernel(
             plgpu.commit_smem()
             k_t = kt_smem[0]
         else:
-            k_t = plgpu.transpose_ref(k_smem.at[slot], (1, 0))
+            k_t = k_smem.at[slot].transpose((1, 0))
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_t)
