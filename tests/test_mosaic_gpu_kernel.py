@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from pallas_kernels import (
     resolve_impl,
 )
 from pallas_kernels.mosaic_gpu_paged_attention import InterpretGPUParams
-from pallas_kernels.ops import gpu_compute_capability
+from pallas_kernels.ops import gpu_compute_capability, load_triton_kernel
 
 try:  # pytest puts tests/ on sys.path (rootdir-relative import mode)
     from test_reference_attention import TOL, make_paged_case, mixed_batch, rand_q
@@ -316,9 +317,7 @@ def test_cuda_lowering(form, bs, d, dtype, group, window, cap, splits):
     def fn(*args):  # the last argument is the traced layer
         return kernel(*args[:-1], layer=args[-1], **kw)
 
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with h200_mesh():
         exported = export.export(jax.jit(fn), platforms=["cuda"])(*args, sds((), jnp.int32))
     text = exported.mlir_module()
     calls = [ln for ln in text.splitlines() if re.search(r"custom_call @mosaic_gpu", ln)]
@@ -328,3 +327,30 @@ def test_cuda_lowering(form, bs, d, dtype, group, window, cap, splits):
     element = {jnp.bfloat16: "bf16", jnp.float16: "f16"}[dtype]
     pages_type = "tensor<" + "x".join(map(str, pages_shape)) + f"x{element}>"
     assert operand_types.count(pages_type) == 2, operand_types
+
+
+def h200_mesh():
+    """An abstract mesh on an H200: jax >= 0.11 reads the target GPU from it with no GPU."""
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+@pytest.mark.skipif(
+    jax.__version_info__ < (0, 11), reason="jax < 0.11 does not deprecate Pallas's Triton backend"
+)
+def test_triton_deprecation_warning_does_not_reach_users():
+    """jax >= 0.11 warns at every Pallas Triton lowering; `paged_attention(impl="gpu")` (through
+    `load_triton_kernel`) filters it, even when the caller's own jit does the lowering."""
+    sds = jax.ShapeDtypeStruct
+    pages = sds((2, 11, 16, 64), jnp.bfloat16)  # shapes no other test lowers (no cache hit)
+    args = (sds((3, 6, 64), jnp.bfloat16), pages, pages, sds((3, 5), jnp.int32))
+    args += (sds((3,), jnp.int32),)
+    fn = jax.jit(functools.partial(paged_attention, scale=0.1, impl="gpu"))
+    with warnings.catch_warnings(record=True) as caught, h200_mesh():
+        warnings.simplefilter("always")
+        load_triton_kernel()  # what paged_attention does; it adds its filter in this context
+        triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+        exported = export.export(fn, platforms=["cuda"], disabled_checks=[triton])(*args)
+    assert "xla.gpu.triton" in exported.mlir_module()
+    assert not [w for w in caught if "Triton backend is deprecated" in str(w.message)]
