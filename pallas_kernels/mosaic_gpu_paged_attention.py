@@ -30,13 +30,13 @@ pages), divided evenly among the splits.
   ``i + num_stages`` is issued into slot ``i % num_stages`` as soon as block ``i``'s P.V MMA has
   completed, so the copies of the next blocks overlap the math of this one. K and V have separate
   barriers: the Q.K^T MMA and the softmax run while V is still arriving.
-* **WGMMA** for both products: ``S = Q K^T`` with Q and K from SMEM (K^T read through a transposed
-  SMEM descriptor), accumulating in float32 registers; ``P V`` with P
-  (rounded to the page dtype) written to SMEM and V from SMEM, into a fresh float32
-  accumulator that is added to the rescaled running output. (Accumulating in place on the
-  running output, `pl.run_state` with a pre-initialised accumulator, would save those adds and
-  registers, but neither jax 0.10's nor 0.11's interpreter runs `run_state`, and the kernel
-  that is tested should be the kernel that runs.)
+* **WGMMA** for both products: ``S = Q K^T`` with Q and K from SMEM (K^T read through a
+  transposed SMEM descriptor), accumulating in float32 registers; ``P V`` with P (rounded to
+  the page dtype) written to SMEM and V from SMEM, into a fresh float32 accumulator that is
+  added to the rescaled running output. (Accumulating in place on the running output,
+  `pl.run_state` with a pre-initialised accumulator, would save those adds and registers, but
+  neither jax 0.10's nor 0.11's interpreter runs `run_state`, and the kernel that is tested
+  should be the kernel that runs.)
 * **Online softmax** in base 2 (``exp2``, ``log2(e)`` folded into the scale) on the WGMMA
   register layout; masking by position from iotas: row ``r`` sees key ``k`` when
   ``r >= G * (k - pos0)`` (causal: ``r // G >= k - pos0``), ``r < G * num_q`` (a real token)
