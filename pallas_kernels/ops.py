@@ -2,15 +2,18 @@
 
 ::
 
-    impl="auto"       CUDA GPU -> gpu_paged_attention (Pallas, Triton lowering)
+    impl="auto"       CUDA GPU, compute capability >= 9.0 (Hopper, Blackwell), 16-bit pages
+                               -> mosaic_gpu_paged_attention (Pallas, Mosaic GPU: TMA, WGMMA)
+                      other CUDA GPUs, float32 pages, shapes Mosaic GPU does not take
+                               -> gpu_paged_attention (Pallas, Triton lowering)
                       TPU      -> tpu_paged_attention (Pallas, Mosaic TPU)
                       CPU      -> cpu_paged_attention (a native C++ kernel through XLA's FFI,
                                   built on first use, reading the pages in place), or, where
                                   it cannot be built (no C++ compiler), xla_paged_attention
                       else     -> xla_paged_attention (plain jnp, keys walked in chunks up to
                                   the longest live context: cost follows the real lengths)
-    impl="reference" | "xla" | "cpu" | "gpu" | "tpu"   force one; interpret=True runs a Pallas
-                                       kernel in the interpreter (how the CPU tests run them)
+    impl="reference" | "xla" | "cpu" | "gpu" | "mosaic_gpu" | "tpu"   force one; interpret=True
+                      runs a Pallas kernel in its interpreter (how the CPU tests run them)
 
 "reference" is the oracle every implementation is tested against: it gathers each query's whole
 block table, so its cost grows with the table width (max_model_len), not the live context.
@@ -21,9 +24,15 @@ picking one. Every implementation reads the stacked array in place through the l
 slice ``k_pages[layer]`` taken outside the kernel would be a copy of the layer's whole pool on
 every call, so the cost would follow the pool size instead of the live tokens.
 
-"auto" falls back to the XLA path on a GPU when the shapes are outside what the GPU kernel
-takes (block size or head dim not a power of two), rather than failing; an explicit
-``impl="gpu"`` raises instead; ``impl="tpu"`` needs a block size that is a multiple of 8. Every
+"auto" falls back to the XLA path on a GPU when the shapes are outside what the GPU kernels
+take (block size or head dim not a power of two), rather than failing; an explicit
+``impl="gpu"`` or ``impl="mosaic_gpu"`` raises instead; ``impl="tpu"`` needs a block size that is
+a multiple of 8.
+
+The GPU kernel modules are imported only when used: jax has deprecated its Pallas Triton backend
+(it warns at every Triton lowering from jax 0.11 on and will remove it), so the package must not
+break when it goes, and the warning, which concerns jax's internals and not the user's code, is
+filtered (by its message) when the Triton kernel is loaded. Every
 input is checked here, once, at trace time, with errors that name the offending argument (the
 layer, the pages, q, the tables and lengths, the options, the forced kernel's shape limits); the
 implementations behind this call assume valid inputs and check only their own tuning knobs.
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import importlib
 import numbers
+import warnings
 from typing import Literal
 
 import jax
@@ -40,15 +50,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_paged_attention as _cpu
-from pallas_kernels import gpu_paged_attention as _gpu
 from pallas_kernels import reference as _ref
 from pallas_kernels import xla_paged_attention as _xla
 
-__all__ = ["paged_attention", "resolve_impl"]
+__all__ = ["gpu_compute_capability", "load_triton_kernel", "paged_attention", "resolve_impl"]
 
-Impl = Literal["auto", "reference", "xla", "cpu", "gpu", "tpu"]
-_IMPLS = ("auto", "reference", "xla", "cpu", "gpu", "tpu")
+Impl = Literal["auto", "reference", "xla", "cpu", "gpu", "mosaic_gpu", "tpu"]
+_IMPLS = ("auto", "reference", "xla", "cpu", "gpu", "mosaic_gpu", "tpu")
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# jax's warning at every Pallas Triton lowering (jax >= 0.11); see the module docstring.
+_TRITON_DEPRECATION = r".*Pallas Triton backend is deprecated"
 
 
 def _is_pow2(x: int) -> bool:
@@ -59,13 +70,51 @@ def _gpu_supports(page_size: int, head_dim: int) -> bool:
     return _is_pow2(page_size) and _is_pow2(head_dim) and head_dim >= 16
 
 
-def resolve_impl(impl: Impl, page_size: int, head_dim: int, backend: str | None = None) -> str:
-    """The implementation `paged_attention` runs for ``impl`` on ``backend`` (default: jax's)."""
+def _mosaic_gpu_supports(page_size: int, head_dim: int, dtype, group: int) -> bool:
+    """`mosaic_gpu_paged_attention.supports`, without importing the kernel module."""
+    return (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim in (64, 128)
+        and 8 <= page_size <= 128
+        and _is_pow2(page_size)
+        and 1 <= group <= 64
+    )
+
+
+def gpu_compute_capability() -> float | None:
+    """The first CUDA GPU's compute capability (e.g. 9.0 for an H100/H200), None without one."""
+    try:
+        device = jax.devices("gpu")[0]
+        return float(device.compute_capability)
+    except (RuntimeError, AttributeError, TypeError, ValueError):  # no GPU, or not CUDA
+        return None
+
+
+def resolve_impl(
+    impl: Impl,
+    page_size: int,
+    head_dim: int,
+    backend: str | None = None,
+    *,
+    dtype=jnp.bfloat16,
+    group: int = 1,
+    compute_capability: float | None = None,
+) -> str:
+    """The implementation `paged_attention` runs for ``impl`` on ``backend`` (default: jax's).
+
+    On a CUDA GPU "auto" picks the Mosaic GPU kernel on compute capability >= 9.0 (default: the
+    attached GPU's; none attached counts as older) when it takes the pages' ``dtype`` and the
+    ``group`` query heads per KV head, else the Triton kernel, else the XLA path.
+    """
     if impl not in _IMPLS:
         raise ValueError(f"{impl=} must be one of {_IMPLS}")
     if impl != "auto":
         return impl
     backend = backend or jax.default_backend()
+    if backend in ("gpu", "cuda"):
+        cc = gpu_compute_capability() if compute_capability is None else compute_capability
+        if cc is not None and cc >= 9.0 and _mosaic_gpu_supports(page_size, head_dim, dtype, group):
+            return "mosaic_gpu"
     if backend in ("gpu", "cuda") and _gpu_supports(page_size, head_dim):
         return "gpu"
     if backend == "tpu":
@@ -164,10 +213,16 @@ def _check_options(scale, sliding_window, soft_cap) -> None:
         raise ValueError(f"{soft_cap=} must be None or a positive number")
 
 
-def _check_kernel_shapes(which: str, block_size: int, head_dim: int) -> None:
+def _check_kernel_shapes(which: str, block_size: int, head_dim: int, dtype, group: int) -> None:
     if which == "gpu" and not _gpu_supports(block_size, head_dim):
         raise ValueError(
             f"{block_size=} and {head_dim=} must be powers of 2 (head_dim >= 16) for impl='gpu'"
+        )
+    if which == "mosaic_gpu" and not _mosaic_gpu_supports(block_size, head_dim, dtype, group):
+        raise ValueError(
+            f"impl='mosaic_gpu' takes k_pages.dtype bfloat16 or float16 (got {jnp.dtype(dtype)}), "
+            f"{head_dim=} 64 or 128, {block_size=} a power of 2 in [8, 128], and at most 64 "
+            f"query heads per KV head (got {group})"
         )
     if which == "cpu" and jax.default_backend() != "cpu":
         backend = jax.default_backend()
@@ -180,15 +235,30 @@ def _check_kernel_shapes(which: str, block_size: int, head_dim: int) -> None:
 
 def _kernels(which: str):
     """The ``(decode, ragged)`` functions of implementation ``which``."""
-    if which == "tpu":  # imported lazily so a missing or broken TPU module never breaks the rest
+    # The Pallas kernels are imported lazily, so that a missing or broken backend (jax's
+    # deprecated Triton lowering, Mosaic GPU, Mosaic TPU) never breaks the rest.
+    if which == "tpu":
         tpu = importlib.import_module("pallas_kernels.tpu_paged_attention")
         return tpu.tpu_paged_attention_decode, tpu.tpu_ragged_paged_attention
+    if which == "gpu":
+        triton = load_triton_kernel()
+        return triton.gpu_paged_attention_decode, triton.gpu_ragged_paged_attention
+    if which == "mosaic_gpu":
+        mosaic = importlib.import_module("pallas_kernels.mosaic_gpu_paged_attention")
+        return mosaic.mosaic_gpu_paged_attention_decode, mosaic.mosaic_gpu_ragged_paged_attention
     return {
         "reference": (_ref.paged_attention_decode_reference, _ref.ragged_paged_attention_reference),
         "xla": (_xla.xla_paged_attention_decode, _xla.xla_ragged_paged_attention),
         "cpu": (_cpu.cpu_paged_attention_decode, _cpu.cpu_ragged_paged_attention),
-        "gpu": (_gpu.gpu_paged_attention_decode, _gpu.gpu_ragged_paged_attention),
     }[which]
+
+
+def load_triton_kernel():
+    """The Triton kernel module, imported on first use, with jax's deprecation warning for the
+    Pallas Triton backend filtered: it fires at every lowering, also under a caller's own
+    `jax.jit`, so a `catch_warnings` around our call would not cover it."""
+    warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+    return importlib.import_module("pallas_kernels.gpu_paged_attention")
 
 
 def paged_attention(
@@ -231,7 +301,8 @@ def paged_attention(
       soft_cap: ``logits = soft_cap * tanh(scale * q.k / soft_cap)``.
       layer: which layer of stacked pages (int in [0, L) or a traced integer scalar); must be
         None or 0 for one layer's pages.
-      impl: "auto", "reference", "xla", "cpu", "gpu" or "tpu" (see module docstring).
+      impl: "auto", "reference", "xla", "cpu", "gpu", "mosaic_gpu" or "tpu" (see module
+        docstring).
       interpret: run a Pallas kernel in the interpreter.
     Returns:
       Attention output, same shape and dtype as ``q``.
@@ -244,8 +315,9 @@ def paged_attention(
     _check_tables(block_tables, kv_lens, cu_q_lens, num_seqs, q.shape[0])
     _check_options(scale, sliding_window, soft_cap)
     block_size, head_dim = k_pages.shape[3:]
-    which = resolve_impl(impl, block_size, head_dim)
-    _check_kernel_shapes(which, block_size, head_dim)
+    group = q.shape[1] // k_pages.shape[1]
+    which = resolve_impl(impl, block_size, head_dim, dtype=k_pages.dtype, group=group)
+    _check_kernel_shapes(which, block_size, head_dim, k_pages.dtype, group)
 
     args = (q, k_pages, v_pages, block_tables, kv_lens)
     if cu_q_lens is not None:
@@ -254,10 +326,10 @@ def paged_attention(
     soft_cap = None if soft_cap is None else float(soft_cap)
     sliding_window = None if sliding_window is None else int(sliding_window)
     kw = dict(layer=layer, scale=float(scale), sliding_window=sliding_window, soft_cap=soft_cap)
-    if which in ("gpu", "tpu"):
+    if which in ("gpu", "mosaic_gpu", "tpu"):
         kw["interpret"] = interpret
     kernel = _kernels(which)[0 if cu_q_lens is None else 1]
-    if which in ("gpu", "tpu") and q.dtype != k_pages.dtype:
+    if which in ("gpu", "mosaic_gpu", "tpu") and q.dtype != k_pages.dtype:
         # A cache in another dtype than the model (`EngineConfig.kv_cache_dtype`): the Pallas
         # kernels take q in the pages' dtype (they accumulate in float32 either way).
         return kernel(q.astype(k_pages.dtype), *args[1:], **kw).astype(q.dtype)

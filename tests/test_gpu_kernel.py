@@ -1,5 +1,5 @@
-"""The Pallas GPU kernel against the reference: in the Pallas interpreter on a CPU, on the GPU
-itself on a CUDA machine.
+"""The Pallas GPU (Triton) kernel against the reference: in the Pallas interpreter on the CPU,
+compiled on a GPU when one is attached (or ``JAX_PAGED_GPU_HARDWARE=1``).
 
 Each decode case puts every interesting length (0, 1, bs-1, bs, bs+1 and a long one) in one
 batch; each ragged case mixes a fresh prefill, a prefill chunk after a long cache, decode tokens,
@@ -22,6 +22,7 @@ the whole stacked array reaches the Triton call (no layer slice is copied out fi
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +43,9 @@ try:  # pytest puts tests/ on sys.path (rootdir-relative import mode)
 except ImportError:  # tests/ imported as a package
     from tests.test_reference_attention import TOL, make_paged_case, mixed_batch, rand_q
 
-# On a CUDA machine the same cases run on the hardware (scripts/gpu_check.sh); elsewhere in
-# Pallas's interpreter.
-INTERPRET = jax.default_backend() != "gpu"
+# The Pallas interpreter on the CPU; compiled with Triton on a GPU (or JAX_PAGED_GPU_HARDWARE=1).
+HARDWARE = os.environ.get("JAX_PAGED_GPU_HARDWARE") == "1" or jax.default_backend() == "gpu"
+INTERPRET = not HARDWARE
 LONG = 517  # > 500 tokens
 NUM_LAYERS = 3
 LAYER = 1
