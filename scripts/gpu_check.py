@@ -219,6 +219,25 @@ def stage_engine(out: Path, dry_run: bool, num_requests: int, input_len: int, ou
     ]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
     runs = []
+
+    def report():  # written after every run, so a stage cut short still leaves its figures
+        metrics = llm.get_metrics()
+        result = dict(
+            model="Llama-3-8B shape, random weights" if not dry_run else "tiny llama (dry run)",
+            dtype="bfloat16",
+            backend=jax.default_backend(),
+            attention_impl=kw.get("attention_impl", "auto"),
+            num_requests=num_requests,
+            input_len=input_len,
+            output_len=output_len,
+            init_seconds=round(init_s, 2),
+            engine_setup_seconds=round(setup_s, 2),
+            runs=runs,
+            programs=program_memory(llm, out),
+            metrics={k: metrics[k] for k in ENGINE_METRICS if k in metrics},
+        )
+        (out / "engine.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+
     for label in ("first (compiles)", "warm", "warm"):
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -231,50 +250,49 @@ def stage_engine(out: Path, dry_run: bool, num_requests: int, input_len: int, ou
                 seconds=round(seconds, 3),
                 output_tok_s=round(generated / seconds, 1),
                 total_tok_s=round((generated + num_requests * input_len) / seconds, 1),
+                num_errors=len(errors),
                 errors=errors[:3],
             )
         )
         print(json.dumps(runs[-1]), flush=True)
-    metrics = llm.get_metrics()
-    # Each compiled program's memory: an alias smaller than its state argument means XLA copied
-    # donated buffers (the K/V pages) instead of updating them in place.
+        report()
+        if len(errors) == num_requests:  # nothing ran: repeating would only fail again
+            break
+
+
+ENGINE_METRICS = (
+    "num_kv_blocks",
+    "kv_cache_bytes_per_device",
+    "peak_kv_usage",
+    "device_calls_per_step",
+    "compiled_variants",
+    "compile_seconds",
+    "num_preemptions",
+    "num_step_failures",
+)
+
+
+def program_memory(llm, out: Path) -> dict:
+    """Each compiled engine program's bytes (argument, output, alias, temp). A program whose
+    alias is well under its argument, or whose temp is over a GiB, copies donated buffers (the
+    K/V pages) instead of updating them in place: its optimised HLO goes to ``out`` to read."""
     programs = {}
     for key, compiled in getattr(llm.engine.runner, "compiled", {}).items():
+        name = "_".join(map(str, key))
         try:
             ma = compiled.memory_analysis()
-            programs[" ".join(map(str, key))] = {
+            row = {
                 f: getattr(ma, f"{f}_size_in_bytes")
                 for f in ("argument", "output", "alias", "temp")
             }
         except Exception as e:  # not every backend reports it
-            programs[" ".join(map(str, key))] = repr(e)[:200]
-    result = dict(
-        model="Llama-3-8B shape, random weights" if not dry_run else "tiny llama (dry run)",
-        dtype="bfloat16",
-        backend=jax.default_backend(),
-        attention_impl=kw.get("attention_impl", "auto"),
-        num_requests=num_requests,
-        input_len=input_len,
-        output_len=output_len,
-        init_seconds=round(init_s, 2),
-        engine_setup_seconds=round(setup_s, 2),
-        runs=runs,
-        programs=programs,
-        metrics={
-            k: metrics[k]
-            for k in (
-                "num_kv_blocks",
-                "kv_cache_bytes_per_device",
-                "peak_kv_usage",
-                "device_calls_per_step",
-                "compiled_variants",
-                "compile_seconds",
-                "num_preemptions",
-            )
-            if k in metrics
-        },
-    )
-    (out / "engine.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+            programs[name] = repr(e)[:200]
+            continue
+        if row["temp"] > 2**30 or row["alias"] < row["argument"] // 2:
+            (out / f"{name}.hlo.txt").write_text(compiled.as_text()[: 8 * 2**20])
+            row["hlo"] = f"{name}.hlo.txt"
+        programs[name] = row
+    return programs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,7 +334,7 @@ def main(argv=None):
                 py,
                 "-m",
                 "pytest",
-                "-q",
+                "-v",
                 "-p",
                 "no:cacheprovider",
                 *files,
@@ -340,7 +358,7 @@ def main(argv=None):
                 py,
                 "-m",
                 "pytest",
-                "-q",
+                "-v",
                 "-p",
                 "no:cacheprovider",
                 *ENGINE_TEST_FILES,
