@@ -27,6 +27,7 @@ that the script itself works. ``DIR/summary.json`` says which stages passed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -209,15 +210,37 @@ def stage_engine(out: Path, dry_run: bool, num_requests: int, input_len: int, ou
     )
     if dry_run:
         kw.update(attention_impl="gpu", attention_interpret=True, num_kv_blocks=256)
-    t0 = time.perf_counter()
-    llm = LLM(loaded, **kw)
-    setup_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     prompts = [
         {"prompt_token_ids": rng.integers(1, config.vocab_size, size=input_len).tolist()}
         for _ in range(num_requests)
     ]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    # A probe request first, at the default pool size and, if its step fails (a program that
+    # copies the pool runs out of memory), at a pool small enough for such a copy: the
+    # failure and the programs' memory are recorded, and the figures still come.
+    probes = []
+    utils = (None,) if dry_run else (0.9, 0.4)
+    for util in utils:
+        if util is not None:
+            kw["gpu_memory_utilization"] = util
+        t0 = time.perf_counter()
+        llm = LLM(loaded, **kw)
+        setup_s = time.perf_counter() - t0
+        probe = llm.generate(prompts[:1], SamplingParams(ignore_eos=True, max_tokens=4))[0]
+        probes.append(
+            dict(
+                gpu_memory_utilization=util,
+                num_kv_blocks=llm.get_metrics().get("num_kv_blocks"),
+                error=probe.error,
+                programs=program_memory(llm, out),
+            )
+        )
+        print(json.dumps(probes[-1], default=str)[:2000], flush=True)
+        if not probe.error or util == utils[-1]:
+            break
+        llm = probe = None  # frees the first pool before the next one
+        gc.collect()
     runs = []
 
     def report():  # written after every run, so a stage cut short still leaves its figures
@@ -232,13 +255,17 @@ def stage_engine(out: Path, dry_run: bool, num_requests: int, input_len: int, ou
             output_len=output_len,
             init_seconds=round(init_s, 2),
             engine_setup_seconds=round(setup_s, 2),
+            probes=probes,
             runs=runs,
             programs=program_memory(llm, out),
             metrics={k: metrics[k] for k in ENGINE_METRICS if k in metrics},
         )
         (out / "engine.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
+    report()
     for label in ("first (compiles)", "warm", "warm"):
+        if probe.error:  # no pool size worked: the probes say why
+            break
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         seconds = time.perf_counter() - t0
