@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_paged import kv_cache as kvc
+from pallas_kernels import IMPLS
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -28,8 +29,8 @@ class EngineConfig:
       max_decode_steps: decode steps run on the device per call when the batch is all decode
         (1 = a host round trip per token).
       seed: engine seed for requests without their own.
-      attention_impl: "auto", "reference", "xla", "cpu", "gpu" or "tpu"
-        (`pallas_kernels.paged_attention`).
+      attention_impl: "auto", "reference", "xla", "cpu", "gpu" (Pallas Triton), "mosaic_gpu"
+        (Pallas Mosaic GPU, Hopper and newer) or "tpu" (`pallas_kernels.paged_attention`).
       attention_interpret: run the Pallas kernels in the interpreter (tests on the CPU).
       kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16": the
         dtype of the KV pages (vLLM's option). A 16-bit cache holds twice the tokens in the
@@ -97,10 +98,10 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
                 + ", ".join(repr(d) for d in KV_CACHE_DTYPES)
             )
-        if self.attention_impl not in ("auto", "reference", "xla", "cpu", "gpu", "tpu"):
+        if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"attention_impl={self.attention_impl!r} must be one of "
-                "'auto', 'reference', 'xla', 'cpu', 'gpu', 'tpu'"
+                + ", ".join(repr(i) for i in ATTENTION_IMPLS)
             )
 
 
@@ -109,6 +110,7 @@ def _param_bytes(params) -> int:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_IMPLS = IMPLS  # `pallas_kernels.paged_attention`'s impl names
 
 
 def kv_dtype(c: EngineConfig, model_dtype):

@@ -9,7 +9,7 @@ backend), the TPU kernel through `paged_attention`.
 
 import importlib
 
-from pallas_kernels.ops import paged_attention, resolve_impl
+from pallas_kernels.ops import IMPLS, paged_attention, resolve_impl
 from pallas_kernels.reference import (
     paged_attention_decode_reference,
     ragged_paged_attention_reference,
@@ -35,6 +35,7 @@ __all__ = [
     "paged_attention_decode_reference",
     "ragged_paged_attention_reference",
     "resolve_impl",
+    "IMPLS",
     "xla_paged_attention_decode",
     "xla_ragged_paged_attention",
 ]

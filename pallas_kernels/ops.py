@@ -60,7 +60,7 @@ from pallas_kernels import xla_paged_attention as _xla
 __all__ = ["gpu_compute_capability", "load_triton_kernel", "paged_attention", "resolve_impl"]
 
 Impl = Literal["auto", "reference", "xla", "cpu", "gpu", "mosaic_gpu", "tpu"]
-_IMPLS = ("auto", "reference", "xla", "cpu", "gpu", "mosaic_gpu", "tpu")
+IMPLS = ("auto", "reference", "xla", "cpu", "gpu", "mosaic_gpu", "tpu")
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # jax's warning at every Pallas Triton lowering (jax >= 0.11); see the module docstring.
 _TRITON_DEPRECATION = r".*Pallas Triton backend is deprecated"
@@ -123,8 +123,8 @@ def resolve_impl(
     as older) when it takes the pages' ``dtype`` and the ``group`` query heads per KV head;
     else the XLA path.
     """
-    if impl not in _IMPLS:
-        raise ValueError(f"{impl=} must be one of {_IMPLS}")
+    if impl not in IMPLS:
+        raise ValueError(f"{impl=} must be one of {IMPLS}")
     if impl != "auto":
         return impl
     backend = backend or jax.default_backend()

@@ -44,7 +44,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jax_paged import LLM, SamplingParams  # noqa: E402
-from jax_paged.config import KV_CACHE_DTYPES  # noqa: E402
+from jax_paged.config import ATTENTION_IMPLS, KV_CACHE_DTYPES  # noqa: E402
 from jax_paged.outputs import describe_error  # noqa: E402
 from models.loading import CHECKPOINT_MARKER  # noqa: E402
 
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--attention-impl",
         default="auto",
-        choices=["auto", "reference", "xla", "cpu", "gpu", "tpu"],
+        choices=ATTENTION_IMPLS,
     )
     e.add_argument(
         "--kv-cache-dtype",

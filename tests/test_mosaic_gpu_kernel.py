@@ -360,3 +360,53 @@ def test_triton_deprecation_warning_does_not_reach_users():
         exported = export.export(fn, platforms=["cuda"], disabled_checks=[triton])(*args)
     assert "xla.gpu.triton" in exported.mlir_module()
     assert not [w for w in caught if "Triton backend is deprecated" in str(w.message)]
+
+
+@pytest.mark.slow
+def test_engine_runs_on_the_mosaic_gpu_kernel():
+    """`LLM(attention_impl="mosaic_gpu")`: the engine's prefill, decode loop and cache writes
+    through the Mosaic GPU kernel (interpreted on a CPU). A bfloat16 model: its greedy tokens
+    equal those through the Triton kernel (both round q and p to bfloat16) and, up to the
+    rounding's first near-tie, those through the float32 reference."""
+    from flax import nnx
+
+    import models
+    from jax_paged import LLM, SamplingParams
+
+    cfg = models.ModelConfig(
+        model_type="llama",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+    )
+    model = models.Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    loaded = models.LoadedModel(
+        model=model,
+        tokenizer=None,
+        config=cfg,
+        generation_config=models.GenerationConfig(),
+        source="tiny bf16 llama",
+    )
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(1, 256, size=n).tolist()} for n in (5, 17, 33)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+    tokens = {}
+    for impl in ("reference", "gpu", "mosaic_gpu"):
+        llm = LLM(
+            loaded,
+            dtype="bfloat16",
+            num_kv_blocks=64,
+            max_num_seqs=4,
+            attention_impl=impl,
+            attention_interpret=impl != "reference" and not HARDWARE,
+        )
+        outs = llm.generate(prompts, params)
+        assert not any(o.error for o in outs)
+        tokens[impl] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["mosaic_gpu"] == tokens["gpu"]
+    assert [t[:4] for t in tokens["mosaic_gpu"]] == [t[:4] for t in tokens["reference"]]
