@@ -23,6 +23,7 @@ def _load_script():
     return mod
 
 
+@pytest.mark.slow
 def test_bench_decode_quick(tiny_llama, capsys):
     path, _ = tiny_llama
     bench = _load_script()

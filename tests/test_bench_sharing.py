@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,6 +20,7 @@ def _load_script():
     return mod
 
 
+@pytest.mark.slow
 def test_bench_sharing_smallest(capsys):
     bench = _load_script()
     rc = bench.main(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_variants.py"
 
 
@@ -16,6 +18,7 @@ def _load():
     return mod
 
 
+@pytest.mark.slow
 def test_mixed_run_stays_within_the_variant_goal():
     mod = _load()
     out = mod.run(["--num-requests", "80", "--max-num-seqs", "16", "--mean-prompt", "60"])

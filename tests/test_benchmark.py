@@ -98,6 +98,7 @@ def test_gpu_mode_says_no_gpu(bench, capsys):
     assert "needs a CUDA GPU" in res["skipped"]
 
 
+@pytest.mark.slow
 def test_quick_run(bench, capsys, tmp_path):
     out_json = tmp_path / "res.json"
     rc = bench.main(["--quick", "--plots", str(tmp_path / "plots"), "--output", str(out_json)])

