@@ -41,6 +41,11 @@ def test_bench_decode_quick(tiny_llama, capsys):
     ):
         assert key in res, key
     assert res["batch_sizes"] == [4] and res["max_tokens"] == 8 and res["repeats"] == 1
+    run = res["run"]  # what the figures came from: commit, machine (with its bandwidth), versions
+    assert len(run["commit"]) == 40 and run["versions"]["jax"] and run["machine"]["cpu_count"]
+    assert run["machine"]["memory_bandwidth_gb_s"] == pytest.approx(
+        res["read_bandwidth_gb_s"], abs=0.01
+    )
     assert res["pools"] == ["64_blocks", "64MiB"]
     assert 20 <= res["prompt_words"][0] <= res["prompt_words"][1] <= 60
     assert res["hf_matches_first_tokens"] is True

@@ -105,6 +105,7 @@ def test_quick_run(bench, capsys, tmp_path):
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert json.loads(out_json.read_text()) == res
+    assert len(res["run"]["commit"]) == 40 and res["run"]["machine"]["cpu_model"]
     w = res["workload"]
     assert w["name"] == "sharegpt" and w["num_requests"] == 12
     off = res["offline"]
