@@ -250,7 +250,7 @@ def build_tiny_hf_model(spec: TinySpec, seed: int = 0):
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
-    """name -> (HF model, folder it was saved to). Built once per session, on first use."""
+    """name -> (HF model, folder it was saved to). Built once per test run, on first use."""
     cache = {}
 
     def get(name: str):
@@ -323,7 +323,7 @@ def right_pad(prompts: list[list[int]], pad: int = 0) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
-# SmolLM2-135M-Instruct (the embedded GGUF), ours and HF's, one load each per session
+# SmolLM2-135M-Instruct (the embedded GGUF), ours and HF's, one load each per test run
 
 
 @pytest.fixture(scope="session")

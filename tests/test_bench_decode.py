@@ -118,7 +118,7 @@ def test_bench_decode_quick(tiny_llama, capsys):
 
 def test_paired_spread_cancels_drift_and_averages_noise():
     """Three alike pools over 41 rounds whose speed drifts 2x, each pool with its own 5% noise:
-    the paired spread stays small where the old figure (median over rounds of each round's
+    the paired spread stays small where the naive figure (median over rounds of each round's
     max / min - 1) is several times larger; a real 10% difference shows as about 10%."""
     bench = _load_script()
     rng = np.random.default_rng(0)

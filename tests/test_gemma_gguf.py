@@ -38,7 +38,7 @@ TEXTS = [
     "<start_of_turn>user\nhi<end_of_turn>\n",
     "1234567 x=3.14;",
     "",
-    # More of every kind, 50 in all (the count): prose, code, numbers, scripts, edge
+    # More of every kind, 50 in all: prose, code, numbers, scripts, edge
     # whitespace, special and byte-fallback characters.
     "Once upon a time, in a land far, far away...",
     "def f(x):\n    return x ** 2  # square",

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct from the embedded GGUF against HF transformers loading the same file.
 
-HF's side is computed once per session: one batched f32 forward over each prompt followed by our
+HF's side is computed once per test run: one batched f32 forward over each prompt followed by our
 32 greedy tokens. That single forward checks both claims:
   - logits: ours vs HF's on every real position, max abs diff <= 1e-3;
   - greedy: at every step HF's argmax, given the prompt and the tokens before, is our token. By

@@ -1,4 +1,4 @@
-"""Tensor parallelism on 8 emulated CPU devices (issue 13): greedy outputs at
+"""Tensor parallelism on 8 emulated CPU devices: greedy outputs at
 tensor_parallel_size 2, 4 and 8 equal one device's and HF's, with KV heads that divide the
 devices and ones that need replicating, Gemma 3 and Gemma 2 among them; n > 1, prefix caching
 and preemption sharded; each device holds only its share of the weights and of the KV pages;

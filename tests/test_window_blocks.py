@@ -1,4 +1,4 @@
-"""Sliding-window layers free their blocks (issue 14 part 3): when every layer attends through
+"""Sliding-window layers free their blocks: when every layer attends through
 one window (Mistral), the steps return the blocks that fell out of it to the pool, so a
 sequence's KV stays bounded by the window however long it grows. Oracle: HF transformers."""
 
