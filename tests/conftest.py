@@ -92,16 +92,29 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
-@pytest.fixture(scope="session")
-def full_suite(request) -> bool:
-    """False when this run deselects the slow tests (``-m "not slow"``): randomised tests then
-    run at a reduced size (fewer operations, the same checks)."""
-    expr = request.config.getoption("markexpr", "")
-    if not expr:
-        return True
-    from _pytest.mark.expression import Expression
+_FULL_SUITE = True
 
-    return bool(Expression.compile(expr).evaluate(lambda name, **kw: name == "slow"))
+
+def pytest_configure(config):
+    global _FULL_SUITE
+    expr = config.getoption("markexpr", "")
+    if expr:
+        from _pytest.mark.expression import Expression
+
+        _FULL_SUITE = bool(Expression.compile(expr).evaluate(lambda name, **kw: name == "slow"))
+
+
+def full_suite_run() -> bool:
+    """False when this run deselects the slow tests (``-m "not slow"``, the fast tier):
+    randomised tests then run at a reduced size (fewer operations or examples, the same
+    checks). For module-level settings such as hypothesis's ``max_examples``."""
+    return _FULL_SUITE
+
+
+@pytest.fixture(scope="session")
+def full_suite() -> bool:
+    """`full_suite_run()` as a fixture."""
+    return _FULL_SUITE
 
 
 def oracle():
