@@ -49,6 +49,7 @@ def _assert_prefix(full: str, streamed: str) -> None:
     assert set(full[len(streamed) :]) <= {"\ufffd"}
 
 
+@pytest.mark.slow
 def test_incremental_text_equals_full_decode_smollm2(smollm2):
     tok = smollm2.tokenizer
     ids = tok.encode("Héllo wörld, 日本語 emoji 😀 end <|im_end|> and  two  spaces\n\nnew")
