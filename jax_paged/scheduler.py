@@ -374,8 +374,9 @@ class Scheduler:
         more than the most any of them has left to make (max_tokens, max_model_len).
 
         A sequence stops inside the call once it has made what it has left, so it is counted
-        for no more: counting k tokens for every row made a pool that holds the whole batch at
-        full length (and no more) cut the calls short near the end (32, 15, 8, 4 steps)."""
+        for no more: counting k tokens for every row would make a pool that holds the whole
+        batch at full length (and no more) cut the calls short near the end (32, 15, 8, 4
+        steps instead of 32 throughout)."""
         left = [
             min(s.max_tokens - len(s.output_token_ids), max_model_len - s.num_tokens) for s in seqs
         ]

@@ -156,9 +156,9 @@ inline V16 TransposeSum16(const V16* v) {
 
 // Asks for a page's cache lines ahead of use: pages are scattered over the pool, so the
 // hardware prefetcher, which follows a stream, cannot guess the next one. Non-temporal: in
-// decode each row is read once per work item (in ad-hoc A/Bs, as fast as into every cache level
-// with float32 pages, about 5% faster with bfloat16 ones; within 1% at two prefill shapes,
-// where neighbouring items read the same rows).
+// decode each row is read once per work item (timed against prefetching into every cache
+// level, two builds alternated in one process: as fast with float32 pages, about 5% faster with
+// bfloat16 ones; within 1% at two prefill shapes, where neighbouring items read the same rows).
 template <typename T>
 inline void Prefetch(const T* first, int64_t count) {
   const char* c = reinterpret_cast<const char*>(first);
@@ -362,8 +362,8 @@ void AttendRowG(const Problem& p, int64_t t, int64_t kh, std::vector<float>& scr
 
 // Items [0, T * KVH), KV head major (item i is row i % T, KV head i / T): the pool is laid out
 // KV head major too, so consecutive items of rows whose pages were allocated one after the
-// other (a batch's prompts) read one stream of memory (about 6% faster at SmolLM2's decode
-// shapes with the engine's page order, 8% at a prefill shape, in ad-hoc A/Bs). They are handed
+// other (a batch's prompts) read one stream of memory (about 6% faster than row-major items at
+// SmolLM2's decode shapes with the engine's page order, 8% at a prefill shape). They are handed
 // out in grains through one counter: the calling thread and the helpers it scheduled take
 // grains until none is left, then the caller waits for the grains already taken. A helper that
 // starts late finds no work and returns, so a busy pool never deadlocks the call; the shared

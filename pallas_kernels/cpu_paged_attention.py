@@ -9,10 +9,10 @@ row loaded once for all G heads, take an exact float32 softmax and read the valu
 way. The items are shared out over XLA's own intra-op thread pool. On 2 threads, SmolLM2's 30
 layers of decode attention at batch 64 and contexts of 60-140 took about 13-14 ms with float32
 pages (295 MB of K/V; a plain read of the same pages, about 9.4 ms) and 8.4 ms with bfloat16
-pages, in an ad-hoc A/B on the development machine (the README's "Speed on a CPU" has the
-committed benchmark's figures). Rows, positions and padding come from `layout.ragged_rows`, as
-for every other implementation, so the contract is the reference's (docs/DESIGN.md): rows see keys
-``max(0, pos - window + 1) .. pos``, soft cap ``cap * tanh(s / cap)``, padding rows and rows
+pages (`docs/benchmarks.md` has the engine's figures from `scripts/bench_decode.py`). Rows,
+positions and padding come from `layout.ragged_rows`, as for every other implementation, so
+the contract is the reference's (docs/DESIGN.md): rows see keys ``max(0, pos - window + 1) ..
+pos``, soft cap ``cap * tanh(s / cap)``, padding rows and rows
 that see no key give zeros. Only keys a row sees are ever read, so garbage (even NaN) in other
 pages or slots never matters.
 

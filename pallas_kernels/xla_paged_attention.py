@@ -184,7 +184,8 @@ def xla_ragged_paged_attention(
             # [NB, KVH, D, C*bs], in the same fused loop as the gather: q.k then contracts over
             # a major axis with the keys along the vector lanes. Against [.., C*bs, D] (a
             # reduction across the minor axis) that made decode attention at batch 64 about
-            # 1.6x faster and a 512-token prefill's about 1.1x (same-process A/B, 2 cores).
+            # 1.6x faster and a 512-token prefill's about 1.1x (both layouts timed alternately in
+            # one process, 2 cores).
             r = head_row[None, :, None] + ids[:, None, :]  # [NB, KVH, C]
             kt = k_rows[r].reshape(nb, kvh, c, bs, d).transpose(0, 1, 4, 2, 3)
             kt = kt.reshape(nb, kvh, d, ck).astype(jnp.float32)

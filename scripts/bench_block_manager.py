@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_support import run_metadata
 
 from jax_paged import block_manager as bm
 
@@ -123,6 +124,8 @@ def main():
     pools = [4096, 100_000] if args.quick else [4096, 16_384, 100_000, 1_000_000]
     evict_pools = [16_384, 100_000] if args.quick else [4096, 16_384, 100_000, 1_000_000]
     out = {
+        "benchmark": "block_manager",
+        "run": run_metadata(),
         "what": "block manager decode step: reserve 1 token/seq + token_slots, compiled, CPU",
         "block_size": BS,
         "max_blocks_per_seq": P,

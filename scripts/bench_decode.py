@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
@@ -91,12 +90,14 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_support
 # Measure real compile times: no persistent compilation cache for this process.
 os.environ.setdefault("JAX_PAGED_CACHE_DIR", "")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_support import add_output_arg, emit, run_metadata  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
@@ -693,6 +694,7 @@ def parse_args(argv):
         action="store_true",
         help="smoke run: batch 4, 8 tokens, 1 repeat, pools 64 blocks and 64 MiB",
     )
+    add_output_arg(ap, "decode_cpu_smollm2.json (--kv-cache-dtype bfloat16: ..._bf16_kv.json)")
     args = ap.parse_args(argv)
     for k, v in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, k) is None:
@@ -915,6 +917,7 @@ def run(argv=None) -> dict:
 
     result = dict(
         benchmark="decode",
+        run=run_metadata(memory_bandwidth_gb_s=None if bandwidth is None else bandwidth / 1e9),
         model=loaded.source,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -997,7 +1000,7 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
-    print(json.dumps(run(argv), indent=2))
+    emit(run(argv), parse_args(argv).output)
     return 0
 
 

@@ -34,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_support import run_metadata
 
 from pallas_kernels import gpu_paged_attention_decode, paged_attention, resolve_impl
 
@@ -335,7 +336,10 @@ def main(argv=None):
     else:
         max_kv = 2**30
     copy_bytes = 2**30 if platform != "cpu" else 2**28
+    copy_gbps = round(copy_bandwidth(copy_bytes, args.repeats), 2)
     report = dict(
+        benchmark="kernel",
+        run=run_metadata(memory_bandwidth_gb_s=copy_gbps),
         platform=platform,
         device=jax.devices()[0].device_kind,
         jax_version=jax.__version__,
@@ -343,7 +347,7 @@ def main(argv=None):
             num_heads=H, num_kv_heads=KVH, head_dim=D, dtype="bfloat16", block_size=args.block_size
         ),
         paged_impl=resolve_impl("auto", args.block_size, D),
-        copy_gbps=round(copy_bandwidth(copy_bytes, args.repeats), 2),
+        copy_gbps=copy_gbps,
         cases=[],
         skipped=[],
     )

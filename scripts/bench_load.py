@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_support
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_support import run_metadata  # noqa: E402
 
 import models  # noqa: E402
 
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         del loaded
         ckpt_s, _ = _timed_load(ckpt, args.dtype)
     result = {
+        "benchmark": "load",
+        "run": run_metadata(),
         "model": str(path),
         "dtype": args.dtype,
         "gguf_load_s": round(gguf_s, 3),

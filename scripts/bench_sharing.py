@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -62,12 +61,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_support
 # Measure real compile times: no persistent compilation cache for this process.
 os.environ.setdefault("JAX_PAGED_CACHE_DIR", "")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_support import add_output_arg, emit, run_metadata  # noqa: E402
 
 import models  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
@@ -541,6 +542,7 @@ def parse_args(argv=None):
     g.add_argument(
         "--zero-hit-repeats", type=int, default=None, help="timed runs per engine, 0%% hits"
     )
+    add_output_arg(ap, "sharing_prefix_cpu_smollm2.json (--model smollm2 --sections prefix)")
     args = ap.parse_args(argv)
     q = args.quick
     defaults = dict(
@@ -579,6 +581,7 @@ def run(argv=None) -> dict:
     loaded = load_model(args.model, args.dtype, max_len)
     result = dict(
         benchmark="sharing",
+        run=run_metadata(),
         model=loaded.source,
         backend=jax.default_backend(),
         machine=platform.machine(),
@@ -594,7 +597,7 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
-    print(json.dumps(run(argv), indent=2))
+    emit(run(argv), parse_args(argv).output)
     return 0
 
 

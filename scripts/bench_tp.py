@@ -25,17 +25,18 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     ).strip()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_support
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_support import add_output_arg, emit, run_metadata  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
@@ -68,6 +69,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    add_output_arg(ap, "tp_cpu_emulated.json (SmolLM2 and --model tiny, as two keys)")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.tp, args.batch_size, args.max_tokens, args.repeats = "tiny", "1,2", 4, 8, 1
@@ -112,6 +114,7 @@ def main(argv=None) -> dict:
     platform = jax.devices()[0].platform
     result = dict(
         benchmark="tensor_parallel_decode",
+        run=run_metadata(),
         model=args.model or "SmolLM2-135M-Instruct (embedded)",
         platform=platform,
         devices=jax.device_count(),
@@ -127,7 +130,7 @@ def main(argv=None) -> dict:
         max_tokens=args.max_tokens,
         tp=runs,
     )
-    print(json.dumps(result, indent=1))
+    emit(result, args.output)
     return result
 
 

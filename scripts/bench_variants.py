@@ -26,17 +26,18 @@ compiled program with its compile seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_support
 # Count real compilations: no persistent compilation cache for this process.
 os.environ.setdefault("JAX_PAGED_CACHE_DIR", "")
 
 import numpy as np  # noqa: E402
+from bench_support import add_output_arg, emit, run_metadata  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
@@ -106,6 +107,7 @@ def run(argv=None) -> dict:
     ap.add_argument("--rate", type=float, default=2.0, help="mean new requests per step")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    add_output_arg(ap, "variants_cpu_tiny_llama.json")
     args = ap.parse_args(argv)
 
     if args.model is None:
@@ -138,6 +140,8 @@ def run(argv=None) -> dict:
     by_program = m["compile_seconds_by_program"]
     return dict(
         benchmark="compiled_variants",
+        run=run_metadata(),
+        output=args.output,
         model=loaded.source,
         num_requests=args.num_requests,
         finished=finished,
@@ -160,7 +164,8 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
-    print(json.dumps(run(argv), indent=2))
+    result = run(argv)
+    emit(result, result.pop("output"))
     return 0
 
 

@@ -33,10 +33,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_support
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_support import run_metadata  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
@@ -163,6 +165,7 @@ def main(argv=None) -> dict:
     layouts = {"window_all": [w] * 4, "mixed": [None, None, w, w], "none": [None] * 4}
     result = dict(
         benchmark="window_memory",
+        run=run_metadata(),
         platform=jax.devices()[0].platform,
         block_size=args.block_size,
         window=w,

@@ -7,36 +7,114 @@ skips) when torch or transformers is missing: CI must not pass without the oracl
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import os
-import tempfile
+import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-# A fresh persistent compilation cache per test session, as on a fresh CI machine: programs
-# compiled by one test's engine are reused by the next, and nothing reads entries that other
-# processes (benchmarks, older checkouts) wrote into the user's cache.
-os.environ.setdefault("JAX_PAGED_CACHE_DIR", tempfile.mkdtemp(prefix="jax_paged_test_xla_"))
+
+def _xla_cache_dir() -> str:
+    """A compilation cache that persists across test runs on this machine: one folder per jax /
+    jaxlib version and CPU model (an entry compiled for another CPU's instruction set must not
+    be loaded), so a rerun loads the engine's programs instead of compiling them again."""
+    from importlib.metadata import version
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    tag = hashlib.sha1(cpu.encode()).hexdigest()[:8]
+    name = f"jax-{version('jax')}-jaxlib-{version('jaxlib')}-cpu-{tag}"
+    return str(Path(os.path.expanduser("~/.cache/jax_paged/test_xla")) / name)
+
+
+# `LLM` turns on jax's persistent compilation cache at $JAX_PAGED_CACHE_DIR; the tests use their
+# own folder ($JAX_PAGED_TEST_CACHE_DIR, or the per-version one above; "" turns it off) and cache
+# every program, not only those that take a second to compile as `LLM` does: most of the tiny
+# models' programs compile in 0.1-1 s, and hundreds of them add up.
+os.environ.setdefault(
+    "JAX_PAGED_CACHE_DIR", os.environ.get("JAX_PAGED_TEST_CACHE_DIR", _xla_cache_dir())
+)
+if os.environ["JAX_PAGED_CACHE_DIR"]:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_PAGED_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+# Loaded XLA CPU executables hold memory mappings (about 400 for an engine step of a tiny
+# model) and jax's caches keep them alive for the whole process: a suite that compiles a few
+# hundred distinct programs in one process would reach the kernel's `vm.max_map_count` (65530
+# by default) and XLA would abort inside a compile. After each module the caches are cleared
+# once the process holds more than this share of the limit, which leaves the next module
+# more room than any module needs while sparing the recompiles (from the on-disk cache) that
+# clearing after every module costs.
+MAP_SHARE_BEFORE_CLEARING = 0.4
+
+
+def _map_count() -> int | None:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def _max_map_count() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Frees the compiled programs of each test module when it ends.
-
-    Every loaded XLA CPU executable holds a few hundred memory mappings (about 400 for an
-    engine step of a tiny model) and jax's caches keep them alive for the whole process: a
-    suite that compiles a few hundred distinct programs in one process reaches the kernel's
-    `vm.max_map_count` (65530) and XLA aborts inside a compile. The on-disk cache above still
-    lets later modules reuse what earlier ones compiled.
-    """
+    """Frees the compiled programs held by jax's caches when a module ends, if the process
+    holds more memory mappings than `MAP_SHARE_BEFORE_CLEARING` of ``vm.max_map_count`` (or
+    the count cannot be read)."""
     yield
+    count = _map_count()
+    if count is not None and count < MAP_SHARE_BEFORE_CLEARING * _max_map_count():
+        return
     import gc
 
     import jax
 
     gc.collect()
     jax.clear_caches()
+
+
+_FULL_SUITE = True
+
+
+def pytest_configure(config):
+    global _FULL_SUITE
+    expr = config.getoption("markexpr", "")
+    if expr:
+        from _pytest.mark.expression import Expression
+
+        _FULL_SUITE = bool(Expression.compile(expr).evaluate(lambda name, **kw: name == "slow"))
+
+
+def full_suite_run() -> bool:
+    """False when this run deselects the slow tests (``-m "not slow"``, the fast tier):
+    randomised tests then run at a reduced size (fewer operations or examples, the same
+    checks). For module-level settings such as hypothesis's ``max_examples``."""
+    return _FULL_SUITE
+
+
+@pytest.fixture(scope="session")
+def full_suite() -> bool:
+    """`full_suite_run()` as a fixture."""
+    return _FULL_SUITE
 
 
 def oracle():
@@ -48,7 +126,10 @@ def oracle():
         pytest.fail(
             f"HF transformers oracle missing ({e}); install the test extra: pip install '.[test]'"
         )
-    torch.set_num_threads(2)
+    # One thread: the tiny models gain nothing from two, and on a machine whose cores other
+    # jobs share, torch's OpenMP threads spin against them (one HF greedy run of a tiny Gemma
+    # measured 1.1 s alone and 34 s beside another test process).
+    torch.set_num_threads(1)
     return torch, transformers
 
 
@@ -182,7 +263,7 @@ def build_tiny_hf_model(spec: TinySpec, seed: int = 0):
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
-    """name -> (HF model, folder it was saved to). Built once per session, on first use."""
+    """name -> (HF model, folder it was saved to). Built once per test run, on first use."""
     cache = {}
 
     def get(name: str):
@@ -198,32 +279,52 @@ def tiny_hf(tmp_path_factory):
     return get
 
 
+# HF oracle outputs, computed once per test run: (id(model), call arguments) -> (model, result).
+# The model is kept with its result so that its id cannot be reused by another model.
+_HF_MEMO: dict = {}
+
+
+def _memo(model, key, compute):
+    full = (id(model), *key)
+    if full not in _HF_MEMO:
+        _HF_MEMO[full] = (model, compute())
+    return _HF_MEMO[full][1]
+
+
 def hf_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
-    """HF f32 logits of each prompt on its own: list of [len, V]."""
+    """HF f32 logits of each prompt on its own: list of [len, V] (read-only arrays, shared by
+    every test that asks for the same prompt of the same model)."""
     torch, _ = oracle()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            out.append(model(torch.tensor([p])).logits[0].numpy())
-    return out
+
+    def one(p):
+        with torch.no_grad():
+            out = model(torch.tensor([p])).logits[0].numpy()
+        out.setflags(write=False)
+        return out
+
+    return [_memo(model, ("logits", tuple(p)), lambda p=p: one(p)) for p in prompts]
 
 
 def hf_greedy(model, prompt: list[int], max_tokens: int, eos: bool = True) -> list[int]:
     """HF transformers' greedy continuation of one prompt (the oracle for engine outputs);
     ``eos=False`` generates exactly ``max_tokens`` (no EOS stop)."""
     torch, _ = oracle()
-    ids = torch.tensor([prompt])
-    kw = {} if eos else dict(eos_token_id=None, min_new_tokens=max_tokens)
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            attention_mask=torch.ones_like(ids),
-            pad_token_id=0,
-            **kw,
-        )
-    return out[0, len(prompt) :].tolist()
+
+    def run():
+        ids = torch.tensor([prompt])
+        kw = {} if eos else dict(eos_token_id=None, min_new_tokens=max_tokens)
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                attention_mask=torch.ones_like(ids),
+                pad_token_id=0,
+                **kw,
+            )
+        return tuple(out[0, len(prompt) :].tolist())
+
+    return list(_memo(model, ("greedy", tuple(prompt), max_tokens, eos), run))
 
 
 def right_pad(prompts: list[list[int]], pad: int = 0) -> np.ndarray:
@@ -235,7 +336,7 @@ def right_pad(prompts: list[list[int]], pad: int = 0) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
-# SmolLM2-135M-Instruct (the embedded GGUF), ours and HF's, one load each per session
+# SmolLM2-135M-Instruct (the embedded GGUF), ours and HF's, one load each per test run
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import full_suite_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -134,7 +135,7 @@ def _assert_clean(llm):
 
 
 @settings(
-    max_examples=200,
+    max_examples=200 if full_suite_run() else 40,  # the fast tier runs a fifth
     deadline=None,
     derandomize=True,  # the same examples on every CI run
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

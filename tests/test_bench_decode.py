@@ -23,6 +23,7 @@ def _load_script():
     return mod
 
 
+@pytest.mark.slow
 def test_bench_decode_quick(tiny_llama, capsys):
     path, _ = tiny_llama
     bench = _load_script()
@@ -40,6 +41,11 @@ def test_bench_decode_quick(tiny_llama, capsys):
     ):
         assert key in res, key
     assert res["batch_sizes"] == [4] and res["max_tokens"] == 8 and res["repeats"] == 1
+    run = res["run"]  # what the figures came from: commit, machine (with its bandwidth), versions
+    assert len(run["commit"]) == 40 and run["versions"]["jax"] and run["machine"]["cpu_count"]
+    assert run["machine"]["memory_bandwidth_gb_s"] == pytest.approx(
+        res["read_bandwidth_gb_s"], abs=0.01
+    )
     assert res["pools"] == ["64_blocks", "64MiB"]
     assert 20 <= res["prompt_words"][0] <= res["prompt_words"][1] <= 60
     assert res["hf_matches_first_tokens"] is True
@@ -112,7 +118,7 @@ def test_bench_decode_quick(tiny_llama, capsys):
 
 def test_paired_spread_cancels_drift_and_averages_noise():
     """Three alike pools over 41 rounds whose speed drifts 2x, each pool with its own 5% noise:
-    the paired spread stays small where the old figure (median over rounds of each round's
+    the paired spread stays small where the naive figure (median over rounds of each round's
     max / min - 1) is several times larger; a real 10% difference shows as about 10%."""
     bench = _load_script()
     rng = np.random.default_rng(0)

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,6 +20,7 @@ def _load_script():
     return mod
 
 
+@pytest.mark.slow
 def test_bench_sharing_smallest(capsys):
     bench = _load_script()
     rc = bench.main(
@@ -37,7 +40,7 @@ def test_bench_sharing_smallest(capsys):
     )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
-    for key in ("sharing", "prefix_caching", "zero_hit_cost", "total_seconds"):
+    for key in ("run", "sharing", "prefix_caching", "zero_hit_cost", "total_seconds"):
         assert key in res
     row = res["sharing"]["parallel"]["sharegpt"]["4"]
     assert row["saving_pct"] > 0

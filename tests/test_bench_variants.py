@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_variants.py"
 
 
@@ -16,10 +18,12 @@ def _load():
     return mod
 
 
+@pytest.mark.slow
 def test_mixed_run_stays_within_the_variant_goal():
     mod = _load()
     out = mod.run(["--num-requests", "80", "--max-num-seqs", "16", "--mean-prompt", "60"])
     assert out["finished"] == 80 and out["output_tokens"] > 80
+    assert len(out["run"]["commit"]) == 40
     assert out["compiled_variants"] == len(out["compile_seconds_by_program"])
     assert out["compiled_variants"] <= mod.GOAL, out["compile_seconds_by_program"]
     kinds = {name.split("(")[0] for name in out["compile_seconds_by_program"]}

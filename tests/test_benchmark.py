@@ -98,12 +98,14 @@ def test_gpu_mode_says_no_gpu(bench, capsys):
     assert "needs a CUDA GPU" in res["skipped"]
 
 
+@pytest.mark.slow
 def test_quick_run(bench, capsys, tmp_path):
     out_json = tmp_path / "res.json"
     rc = bench.main(["--quick", "--plots", str(tmp_path / "plots"), "--output", str(out_json)])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert json.loads(out_json.read_text()) == res
+    assert len(res["run"]["commit"]) == 40 and res["run"]["machine"]["cpu_model"]
     w = res["workload"]
     assert w["name"] == "sharegpt" and w["num_requests"] == 12
     off = res["offline"]

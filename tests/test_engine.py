@@ -33,6 +33,14 @@ def workload(tiny_llama):
     return prompts, max_tokens, ref
 
 
+@pytest.fixture(scope="module")
+def shared_llm(tiny_llama):
+    """One engine for the tests that need no configuration of their own: 128 blocks of 4
+    tokens, 8 sequences, prefill in chunks of 8 tokens. Each test leaves its pool empty."""
+    path, _ = tiny_llama
+    return LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+
+
 def _generate(llm, prompts, max_tokens):
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -109,9 +117,8 @@ def test_abort_and_streaming_steps(tiny_llama):
     _assert_pool_empty(llm)
 
 
-def test_seeded_sampling_reproducible_across_batches(tiny_llama):
-    path, _ = tiny_llama
-    llm = LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=8)
+def test_seeded_sampling_reproducible_across_batches(shared_llm):
+    llm = shared_llm
     prompts = _prompts(6, seed=5)
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12)
     alone = llm.generate({"prompt_token_ids": prompts[0]}, sp)[0].outputs[0].token_ids
@@ -137,9 +144,8 @@ def test_seeded_sampling_reproducible_across_batches(tiny_llama):
     _assert_pool_empty(llm)
 
 
-def test_n_samples_differ_and_are_reproducible(tiny_llama):
-    path, _ = tiny_llama
-    llm = LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=8)
+def test_n_samples_differ_and_are_reproducible(shared_llm):
+    llm = shared_llm
     p = {"prompt_token_ids": _prompts(1, seed=9)[0]}
     sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10)
     a = [c.token_ids for c in llm.generate(p, sp)[0].outputs]
@@ -148,10 +154,10 @@ def test_n_samples_differ_and_are_reproducible(tiny_llama):
     _assert_pool_empty(llm)
 
 
-def test_stop_tokens_logprobs_and_finish_reasons(tiny_llama, workload):
-    path, model = tiny_llama
+def test_stop_tokens_logprobs_and_finish_reasons(tiny_llama, workload, shared_llm):
+    _, model = tiny_llama
     prompts, _, _ = workload
-    llm = LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=4)
+    llm = shared_llm
     ref = hf_greedy(model, prompts[0], 12)
     stop_tok = ref[4]
     first = ref.index(stop_tok)
@@ -189,9 +195,9 @@ def test_stop_tokens_logprobs_and_finish_reasons(tiny_llama, workload):
     _assert_pool_empty(llm)
 
 
-def test_prompt_logprobs_match_hf(tiny_llama):
-    path, model = tiny_llama
-    llm = LLM(str(path), num_kv_blocks=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+def test_prompt_logprobs_match_hf(tiny_llama, shared_llm):
+    _, model = tiny_llama
+    llm = shared_llm  # prefill in chunks of 8: the 20-token prompt's log-probs span 3 chunks
     prompt = _prompts(1, seed=11, lo=20, hi=21)[0]
     out = llm.generate(
         {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=2)
@@ -204,6 +210,7 @@ def test_prompt_logprobs_match_hf(tiny_llama):
     for i in range(1, len(prompt)):
         assert plp[i][prompt[i]].logprob == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
         assert len(plp[i]) in (2, 3)
+    _assert_pool_empty(llm)
 
 
 def test_bad_requests_get_errors_and_others_complete(tiny_llama, workload):

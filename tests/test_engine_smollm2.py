@@ -13,6 +13,9 @@ import pytest
 from jax_paged import LLM, SamplingParams
 from jax_paged import block_manager as bm
 
+# SmolLM2-135M through the engine against HF's own SmolLM2: minutes on 2 cores.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The capital of Germany is",
     "def add(a, b):",

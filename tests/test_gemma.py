@@ -302,7 +302,9 @@ def test_each_layer_gets_its_window(tiny):
 # The engine and the research decoder
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n != "gemma3_gqa4" else n for n in NAMES]
+)
 def test_engine_greedy_matches_hf(name, tiny):
     """LLM with a pool too small for every row (preemption by recompute) and prefix caching
     on; the second pass reads the cached prefixes."""

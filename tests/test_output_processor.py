@@ -49,6 +49,7 @@ def _assert_prefix(full: str, streamed: str) -> None:
     assert set(full[len(streamed) :]) <= {"\ufffd"}
 
 
+@pytest.mark.slow
 def test_incremental_text_equals_full_decode_smollm2(smollm2):
     tok = smollm2.tokenizer
     ids = tok.encode("Héllo wörld, 日本語 emoji 😀 end <|im_end|> and  two  spaces\n\nnew")
@@ -108,8 +109,8 @@ def test_stop_string_over_2000_tokens_is_linear(long_llm, monkeypatch):
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert out.text == text[: end if include else end - 6]
         assert out.token_ids == full.outputs[0].token_ids[: len(out.token_ids)]
-    # Every character decoded once per run (the old code decoded the whole output after every
-    # token: about n^2 / 2 token decodes); the only full-text decodes are at finishing.
+    # Every character decoded once per run (decoding the whole output after every token would
+    # cost about n^2 / 2 token decodes); the only full-text decodes are at finishing.
     chars = long_llm.get_metrics()["detokenized_chars"] - before
     assert chars <= 2 * (end + 8)
     assert sum(decoded_ids) <= 2 * len(out.token_ids)

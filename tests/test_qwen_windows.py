@@ -1,4 +1,4 @@
-"""Qwen2 windowing only the layers past ``max_window_layers`` (issue 14 part 3): the config
+"""Qwen2 windowing only the layers past ``max_window_layers``: the config
 gives per-layer windows, the decoder runs one scan per run of layers sharing a window, and the
 engine applies each layer's own window. Oracle: HF transformers (f32, eager attention)."""
 

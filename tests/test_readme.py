@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (the model swapped for a tiny one for speed)."""
+"""The README's Python examples run as written (the model swapped for a tiny one where the
+example allows it), and every Python block of the README is one of them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import models
 
@@ -23,7 +25,7 @@ def test_research_scan_example(tiny_llama, monkeypatch):
     tiny = models.load(str(path))
     monkeypatch.setattr(models, "load", lambda *a, **k: tiny)
     scope: dict = {}
-    exec(compile(_block_after("## Research API"), "README.md", "exec"), scope)
+    exec(compile(_block_after("### Research API"), "README.md", "exec"), scope)
     tokens = np.asarray(scope["tokens"])
     assert tokens.shape == (64, 4)
     first = np.asarray(scope["first"])
@@ -32,10 +34,11 @@ def test_research_scan_example(tiny_llama, monkeypatch):
     assert (tokens[:, 0] == tokens[:, 2]).all()
 
 
+@pytest.mark.slow
 def test_vllm_shaped_example_on_smollm2(capsys):
     """The first Python example, as written, on the embedded SmolLM2."""
     scope: dict = {}
-    exec(compile(_block_after("## Use it from Python"), "README.md", "exec"), scope)
+    exec(compile(_block_after("### Offline generation"), "README.md", "exec"), scope)
     outs = scope["outs"]
     assert len(outs) == 2 and all(o.error is None for o in outs)
     assert len(outs[0].outputs[0].token_ids) > 0
@@ -45,5 +48,22 @@ def test_vllm_shaped_example_on_smollm2(capsys):
 
 
 def test_block_manager_example(capsys):
-    exec(compile(_block_after("## The block manager"), "README.md", "exec"), {})
+    exec(compile(_block_after("### The block manager"), "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "1023"
+
+
+# The heading above each Python block and the test that runs it (the own-model example runs in
+# tests/test_own_model.py::test_readme_example_runs).
+RUN_BY = {
+    "### Offline generation": "test_vllm_shaped_example_on_smollm2",
+    "### Research API": "test_research_scan_example",
+    "### Bring your own model": "test_own_model.py::test_readme_example_runs",
+    "### The block manager": "test_block_manager_example",
+}
+
+
+def test_every_python_block_is_run():
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    run = [_block_after(h) for h in RUN_BY]
+    assert sorted(blocks) == sorted(run), "a README Python block that no test runs"

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct from the embedded GGUF against HF transformers loading the same file.
 
-HF's side is computed once per session: one batched f32 forward over each prompt followed by our
+HF's side is computed once per test run: one batched f32 forward over each prompt followed by our
 32 greedy tokens. That single forward checks both claims:
   - logits: ours vs HF's on every real position, max abs diff <= 1e-3;
   - greedy: at every step HF's argmax, given the prompt and the tokens before, is our token. By
@@ -58,12 +58,14 @@ def test_config_from_gguf(smollm2):
     assert smollm2.generation_config.eos_token_ids == [smollm2.tokenizer.token_to_id("<|im_end|>")]
 
 
+@pytest.mark.slow
 def test_logits_match_hf(run):
     for i, f in enumerate(run["full"]):
         diff = np.abs(run["ours"][i, : len(f)] - run["hf"][i, : len(f)]).max()
         assert diff <= 1e-3, f"prompt {i}: max abs diff {diff:.2e}"
 
 
+@pytest.mark.slow
 def test_greedy_matches_hf(run):
     for i, (p, g) in enumerate(zip(run["prompts"], run["generated"], strict=True)):
         assert len(g) == NEW_TOKENS
@@ -71,6 +73,7 @@ def test_greedy_matches_hf(run):
         assert g == hf_next.tolist(), f"prompt {i}: greedy continuation differs from HF's"
 
 
+@pytest.mark.slow
 def test_chat_answers_paris(smollm2, run):
     tok = smollm2.tokenizer
     answer = run["generated"][-1]

@@ -1,4 +1,4 @@
-"""Tensor parallelism on 8 emulated CPU devices (issue 13): greedy outputs at
+"""Tensor parallelism on 8 emulated CPU devices: greedy outputs at
 tensor_parallel_size 2, 4 and 8 equal one device's and HF's, with KV heads that divide the
 devices and ones that need replicating, Gemma 3 and Gemma 2 among them; n > 1, prefix caching
 and preemption sharded; each device holds only its share of the weights and of the KV pages;
@@ -83,13 +83,18 @@ def _assert_tp_equals_one_device_and_hf(path, hf, tp: int) -> None:
     _clean(llm)
 
 
-@pytest.mark.parametrize("model,tp", [("gqa_4_2", 2), ("gqa_4_2", 4), ("gqa_8_2", 8)])
+@pytest.mark.parametrize(
+    "model,tp",
+    [("gqa_4_2", 2), ("gqa_4_2", 4), pytest.param("gqa_8_2", 8, marks=pytest.mark.slow)],
+)
 def test_greedy_equals_one_device_and_hf(request, model, tp):
     path, hf = request.getfixturevalue(model)
     _assert_tp_equals_one_device_and_hf(path, hf, tp)
 
 
-@pytest.mark.parametrize("name,tp", [("gemma3_gqa1", 4), ("gemma2_gqa2", 2)])
+@pytest.mark.parametrize(
+    "name,tp", [("gemma3_gqa1", 4), pytest.param("gemma2_gqa2", 2, marks=pytest.mark.slow)]
+)
 def test_gemma_greedy_equals_one_device_and_hf(tmp_path_factory, name, tp):
     """Gemma 3 (local and global layers, two RoPE bases, q/k norms) and Gemma 2 (attention
     soft cap) sharded over their KV heads."""
@@ -141,6 +146,7 @@ def test_each_device_holds_its_share(gqa_8_2):
     assert blocks.sharding.is_fully_replicated
 
 
+@pytest.mark.slow
 def test_n_prefix_caching_and_preemption_sharded(gqa_4_2):
     """tp 2 and 4 under a pool that preempts, prefix caching hits and n = 2 forks: the same
     tokens as one device."""
@@ -198,7 +204,7 @@ def test_head_counts_the_mesh_cannot_serve_are_refused(gqa_4_2, tmp_path_factory
         PagedDecoder(models.load(str(path)).model, max_seqs=2, max_len=16, mesh=mesh)
 
 
-@pytest.mark.parametrize("dp,tp", [(2, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize("dp,tp", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow), (4, 2)])
 def test_data_parallel_replicas(gqa_4_2, dp, tp):
     """Requests spread over replicas on disjoint devices give the tokens one engine gives; a
     bad request is refused by its replica and the rest complete."""
@@ -222,6 +228,7 @@ def test_data_parallel_replicas(gqa_4_2, dp, tp):
         LLM(str(path), data_parallel_size=8, tensor_parallel_size=2, **kw)
 
 
+@pytest.mark.slow
 def test_bench_tp_quick(capsys):
     """scripts/bench_tp.py --quick: a JSON line per tp, outputs equal to tp 1's."""
     import json

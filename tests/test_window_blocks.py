@@ -1,4 +1,4 @@
-"""Sliding-window layers free their blocks (issue 14 part 3): when every layer attends through
+"""Sliding-window layers free their blocks: when every layer attends through
 one window (Mistral), the steps return the blocks that fell out of it to the pool, so a
 sequence's KV stays bounded by the window however long it grows. Oracle: HF transformers."""
 
@@ -171,6 +171,7 @@ def test_decode_band_equals_full_drop():
     assert (held == nb - bm.window_dead_blocks(lens, BS, WINDOW)).all()
 
 
+@pytest.mark.slow
 def test_window_memory_script_quick(capsys):
     """scripts/bench_window_memory.py --quick: drops hold what per-group tables would; the
     mixed layout (no drops) holds more; no window holds every block."""
