@@ -191,8 +191,11 @@ class ModelRunner:
         """
         if not kv:
             pages = args[0].kv
-            state, *rest = self.call(kind, fn, key, (args[0].replace(kv=None), *args[1:]), static)
+            state, *rest = self._run(kind, fn, key, (args[0].replace(kv=None), *args[1:]), static)
             return (state.replace(kv=pages), *rest)
+        return self._run(kind, fn, key, args, static)
+
+    def _run(self, kind: str, fn, key: tuple, args: tuple, static: dict):
         ckey = (kind,) + key
         if self.mesh is not None:  # host inputs as global arrays (several hosts: the same)
             args = shard.put_replicated(args, self.mesh)

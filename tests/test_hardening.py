@@ -110,8 +110,8 @@ def _inject_fault(monkeypatch, engine, kind: str, nth: int):
     real = engine.runner.call
     seen = []
 
-    def call(k, fn, key, args, static):
-        out = real(k, fn, key, args, static)
+    def call(k, fn, key, args, static, **kw):
+        out = real(k, fn, key, args, static, **kw)
         if k == kind:
             seen.append(1)
             if len(seen) == nth:
