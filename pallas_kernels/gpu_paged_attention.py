@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.layout import decode_as_ragged, query_blocks, stacked_pages
+from pallas_kernels.layout import decode_as_ragged, merge_splits, query_blocks, stacked_pages
 
 __all__ = ["gpu_paged_attention_decode", "gpu_ragged_paged_attention"]
 
@@ -199,12 +199,7 @@ def _attend_blocks(
     )(q_blocks, k_pages, v_pages, block_tables, meta)
     if num_splits == 1:
         return o[:, :, 0]
-    # Flash-decoding merge: weight each split's normalised output by l_s * 2^(m_s - max m).
-    m_max = m.max(axis=2, keepdims=True)  # [NQB, KVH, 1, M]
-    w = l * jnp.exp2(m - m_max)  # [NQB, KVH, S, M]; 0 for empty splits
-    total = w.sum(axis=2)  # [NQB, KVH, M]
-    o = (o * w[..., None]).sum(axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
-    return o.astype(q_blocks.dtype)
+    return merge_splits(o, m, l, q_blocks.dtype)
 
 
 def _default_splits(num_programs: int, max_compute_blocks: int) -> int:

@@ -33,6 +33,7 @@ __all__ = [
     "QueryBlocks",
     "RaggedRows",
     "decode_as_ragged",
+    "merge_splits",
     "query_blocks",
     "ragged_rows",
     "stacked_pages",
@@ -144,3 +145,15 @@ def decode_as_ragged(
     b = q.shape[0]
     cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32)
     return ragged_fn(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, jnp.int32(b), **options)
+
+
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
+    """Merges flash-decoding key splits: o f32[NQB, KVH, S, M, D] (each split's normalised
+    output), m and l f32[NQB, KVH, S, M] (its running max, base 2, and softmax denominator) ->
+    [NQB, KVH, M, D] in ``dtype``. Each split is weighted by ``l_s * 2^(m_s - max m)``; an empty
+    split has l = 0, and a row no split saw gives 0."""
+    m_max = m.max(axis=2, keepdims=True)  # [NQB, KVH, 1, M]
+    w = l * jnp.exp2(m - m_max)  # [NQB, KVH, S, M]; 0 for empty splits
+    total = w.sum(axis=2)  # [NQB, KVH, M]
+    o = (o * w[..., None]).sum(axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
+    return o.astype(dtype)

@@ -93,7 +93,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.layout import decode_as_ragged, query_blocks, stacked_pages
+from pallas_kernels.layout import decode_as_ragged, merge_splits, query_blocks, stacked_pages
 
 try:  # jax >= 0.10: Pallas's Mosaic GPU interpreter
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -363,12 +363,7 @@ def _attend_blocks(q_blocks, k_pages, v_pages, tables, meta, *, num_splits, num_
     )(q_blocks, k_pages, v_pages, tables, meta)
     if num_splits == 1:
         return o[:, :, 0]
-    # Flash-decoding merge: weight each split's normalised output by l_s * 2^(m_s - max m).
-    m_max = m.max(axis=2, keepdims=True)  # [NQB, KVH, 1, M]
-    w = l * jnp.exp2(m - m_max)  # [NQB, KVH, S, M]; 0 for empty splits
-    total = w.sum(axis=2)  # [NQB, KVH, M]
-    o = (o * w[..., None]).sum(axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
-    return o.astype(dtype)
+    return merge_splits(o, m, l, dtype)
 
 
 @functools.partial(
