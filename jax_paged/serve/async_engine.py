@@ -28,10 +28,10 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -125,7 +125,6 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.max_decode_wait_s = max_decode_wait_s
         self.metrics = metrics
-        self._ids = itertools.count()
         self._cond = threading.Condition()
         self._commands: collections.deque = collections.deque()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -147,7 +146,7 @@ class AsyncLLM:
 
         Raises ValueError (naming the field) if the engine rejects the request, and
         `EngineDeadError` if the engine thread is gone."""
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", rid, prompt, params, stream, added))
@@ -226,16 +225,28 @@ class AsyncLLM:
             logger.exception("the engine thread stopped")
             self._dead = e
         finally:
-            with self._cond:
-                self._stopped = True
-                pending, self._commands = list(self._commands), collections.deque()
-            err = EngineDeadError(f"the engine has stopped: {self._dead or 'shut down'}")
-            for cmd in pending:
-                if cmd[0] == "add":
-                    cmd[5].set_exception(err)
-            for stream in self._streams.values():
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
-            self._streams.clear()
+            self._close()
+
+    def _close(self) -> None:
+        """Ends every request still known (pending adds fail, streams get `EngineDeadError`,
+        the engine's requests are aborted and their blocks freed), so the engine can be reused
+        (e.g. by the `LLM` it came from)."""
+        with self._cond:
+            self._stopped = True
+            pending, self._commands = list(self._commands), collections.deque()
+        err = EngineDeadError(f"the engine has stopped: {self._dead or 'shut down'}")
+        for cmd in pending:
+            if cmd[0] == "add":
+                cmd[5].set_exception(err)
+        for rid, stream in self._streams.items():
+            self.engine.abort(rid)
+            _deliver(stream, err)
+        self._streams.clear()
+        if self._dead is None:
+            try:
+                self.engine.step()  # frees the aborted requests' blocks
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                logger.exception("the last step after shutdown failed")
 
     def _apply(self, cmd: tuple) -> bool:
         """Applies one command; True if it aborted a request."""
@@ -273,12 +284,12 @@ class AsyncLLM:
             stream.num_tokens, stream.longest, stream.last_time = made, longest, now
             if out.finished:
                 del self._streams[out.request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            _deliver(stream, out)
         lost = [rid for rid in self._streams if not self.engine.has_request(rid)]
         for rid in lost:  # never left waiting: a request the engine dropped without an output
             stream = self._streams.pop(rid)
             err = RuntimeError(f"the engine lost request {rid} without finishing it")
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+            _deliver(stream, err)
         if lost:
             logger.error("the engine lost %d requests: %s", len(lost), lost[:5])
         if most > 1:  # a multi-step decode call: dt / steps is the time of one decode step
@@ -288,6 +299,15 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.on_step(progressed, now)
             self.metrics.on_engine(self.engine_metrics)
+
+
+def _deliver(stream: _Stream, item) -> None:
+    """Puts ``item`` in ``stream``'s queue through its event loop; a caller whose loop has
+    closed is gone (its request is aborted when its stream is closed or at shutdown)."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:  # the event loop is closed
+        pass
 
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
