@@ -96,6 +96,32 @@ def write_tiny_chat_model(directory: str | Path, *, seed: int = 0) -> Path:
     return directory
 
 
+def export_hf_folder(gguf_path: str | Path, directory: str | Path) -> Path:
+    """Writes a GGUF model as an HF folder (float32 safetensors, tokenizer, generation config)
+    that both `jax-paged serve` and `vllm serve` load, so both serve the same dequantised
+    weights. Needs transformers with gguf and accelerate (the test extra)."""
+    import torch
+    import transformers
+
+    gguf_path, directory = Path(gguf_path), Path(directory)
+    if (directory / "config.json").exists():
+        return directory
+    kw = dict(gguf_file=gguf_path.name)
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+    src = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), dtype=torch.float32, **kw
+    )
+    config = src.config
+    if hasattr(config, "quantization_config"):  # transformers refuses to save it as loaded
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    model.generation_config = src.generation_config
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
 def _byte_level_alphabet() -> list[str]:
     """The 256 printable stand-ins byte-level BPE uses for bytes 0..255 (GPT-2's scheme)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
@@ -342,6 +368,35 @@ def vllm_env() -> dict:
     return env
 
 
+def run_vllm_bench(url: str, name: str, args, workload: str, rate: float, run: int) -> dict:
+    """One run of `vllm bench serve` itself as the client (random data set, the same lengths,
+    ``--ignore-eos``); returns its result JSON with ``workload`` added."""
+    out_dir = Path(tempfile.mkdtemp(prefix="vllm_bench_"))
+    prefix = args.shared_prefix_len if workload == "shared_prefix" else 0
+    cmd = [
+        args.vllm_bin, "bench", "serve", "--backend", "openai", "--base-url", url,
+        "--endpoint", "/v1/completions", "--model", name, "--tokenizer", args.model_path,
+        "--dataset-name", "random", "--random-input-len", str(args.input_len - prefix),
+        "--random-output-len", str(args.output_len), "--random-prefix-len", str(prefix),
+        "--random-range-ratio", str(args.range_ratio), "--num-prompts", str(args.num_prompts),
+        "--request-rate", "inf" if math.isinf(rate) else str(rate), "--ignore-eos",
+        "--seed", str(args.seed * 1000 + 10 * (run + 1) + (workload == "shared_prefix")),
+        "--save-result", "--result-dir", str(out_dir), "--result-filename", "result.json",
+    ]  # fmt: skip
+    if args.max_concurrency:
+        cmd += ["--max-concurrency", str(args.max_concurrency)]
+    proc = subprocess.run(cmd, env=vllm_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"vllm bench serve failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        )
+    result = json.loads((out_dir / "result.json").read_text())
+    keep = {k: v for k, v in result.items() if not isinstance(v, list)}  # per-request lists
+    keep["workload"] = workload
+    keep["client"] = "vllm bench serve"
+    return keep
+
+
 def run_rates(url: str, name: str, args) -> list[dict]:
     """Each workload at each rate against ``url``, after a warm-up at the largest batch.
 
@@ -352,6 +407,11 @@ def run_rates(url: str, name: str, args) -> list[dict]:
     asyncio.run(run_load(url, name, warm, args.output_len, math.inf))
     for workload in args.workloads:
         for i, rate in enumerate(args.rates):
+            if args.client == "vllm":
+                r = run_vllm_bench(url, name, args, workload, rate, i)
+                runs.append(r)
+                print(f"{workload} rate={rate}: {json.dumps(r)[:300]}", file=sys.stderr)
+                continue
             prompts = workload_prompts(args, workload, i)
             r = asyncio.run(
                 run_load(
@@ -411,6 +471,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-bin", default=os.environ.get("VLLM_BIN", "vllm"))
     ap.add_argument("--server-args", default="", help="extra options for jax-paged serve")
     ap.add_argument("--vllm-args", default="", help="extra options for vllm serve")
+    ap.add_argument(
+        "--client",
+        default="ours",
+        choices=["ours", "vllm"],
+        help="the load generator: this script's, or `vllm bench serve` (--vllm-bin; needs "
+        "--model-path for the tokenizer)",
+    )
     ap.add_argument("--quick", action="store_true", help="a tiny random model, a few requests")
     ap.add_argument("--output", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
@@ -442,6 +509,7 @@ def main(argv=None) -> dict:
             "seed",
             "server_args",
             "vllm_args",
+            "client",
         )
     }
     result: dict = {"benchmark": "serving", "config": config, "servers": {}}
@@ -450,6 +518,11 @@ def main(argv=None) -> dict:
     else:
         if not args.model_path:
             ap.error("give --base-url, or --model-path (or --quick) to start a server")
+        if args.model_path.endswith(".gguf") and (args.head_to_head or args.client == "vllm"):
+            # vLLM needs an HF folder: serve both from the same exported one.
+            folder = Path(tempfile.gettempdir()) / f"hf_{Path(args.model_path).stem}"
+            args.model_path = str(export_hf_folder(args.model_path, folder))
+            result["config"]["model_path"] = args.model_path
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         servers = [
             ("jax-paged", jax_paged_cmd(args.model_path, args.model, args.server_args.split()), env)
