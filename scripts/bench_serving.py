@@ -531,10 +531,16 @@ def main(argv=None) -> dict:
             cmd = vllm_cmd(args.vllm_bin, args.model_path, args.model, args.vllm_args.split())
             servers.append(("vllm", cmd, vllm_env()))
         for label, cmd, env_ in servers:
-            with Server(cmd, env=env_, log=tmp / f"{label}.log") as s:
-                runs = run_rates(s.url, args.model, args)
-                result["servers"][label] = {"startup_s": s.startup_s, "runs": runs}
-        if args.head_to_head:
+            try:
+                with Server(cmd, env=env_, log=tmp / f"{label}.log") as s:
+                    runs = run_rates(s.url, args.model, args)
+                    result["servers"][label] = {"startup_s": s.startup_s, "runs": runs}
+            except Exception as e:  # noqa: BLE001 - recorded; the other server still runs
+                result["servers"][label] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+                print(f"{label} failed: {e}", file=sys.stderr)
+            if args.output:  # what has run so far, in case a later server fails
+                Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+        if args.head_to_head and all("runs" in v for v in result["servers"].values()):
             result["ratios"] = _ratios(result["servers"]["jax-paged"], result["servers"]["vllm"])
     text = json.dumps(result, indent=1)
     print(text)
