@@ -76,11 +76,16 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.replicas)
 
-    def step(self) -> list[RequestOutput]:
-        """One step of every replica with work, concurrently; their outputs together."""
+    def has_request(self, request_id: str) -> bool:
+        engine = self._owner.get(str(request_id))
+        return engine is not None and engine.has_request(request_id)
+
+    def step(self, *, max_decode_steps: int | None = None) -> list[RequestOutput]:
+        """One step of every replica with work, concurrently; their outputs together
+        (``max_decode_steps`` as in `LLMEngine.step`)."""
         busy = [e for e in self.replicas if e.has_unfinished_requests()]
         outs: list[RequestOutput] = []
-        for res in self._pool.map(lambda e: e.step(), busy):
+        for res in self._pool.map(lambda e: e.step(max_decode_steps=max_decode_steps), busy):
             outs.extend(res)
         for o in outs:
             if o.finished:

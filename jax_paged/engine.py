@@ -153,6 +153,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` was added and has not finished, failed or been aborted."""
+        return str(request_id) in self.requests
+
     def _abort_seqs(self, req: RequestState) -> None:
         self.ops.fork_waiting.pop(req.request_id, None)
         for s in req.pending_forks:  # siblings waiting for a fork are queued nowhere
@@ -168,9 +172,13 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     # -- one step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, max_decode_steps: int | None = None) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs of the requests that progressed
         (``finished`` set on those that are done).
+
+        ``max_decode_steps`` caps the tokens per sequence of a multi-step decode call below
+        ``config.max_decode_steps`` for this step only (an online server shortens the call so
+        that a request arriving meanwhile waits for less; `jax_paged.serve.AsyncLLM`).
 
         If the step raises (an error inside a compiled call: out of memory, a runtime fault),
         the requests of that step finish with ``error`` set and come back in the returned
@@ -179,12 +187,25 @@ class LLMEngine:
         """
         self.metrics.add("num_steps")
         self._step_seqs = None
+        if max_decode_steps is not None and (
+            not isinstance(max_decode_steps, int) or max_decode_steps < 1
+        ):
+            raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
         try:
-            return self._step()
+            outs = self._step(max_decode_steps or self.config.max_decode_steps)
         except Exception as e:  # noqa: BLE001 - contained: see the docstring
             return self._recover(e)
+        if not self.scheduler.has_unfinished():
+            # An idle engine holds no blocks. This call belongs to no request: if it raises,
+            # the outputs above still go out and the state is rebuilt.
+            self._step_seqs = None
+            try:
+                self.ops.prepare(self.runner, self.scheduler)
+            except Exception as e:  # noqa: BLE001 - contained, as above
+                outs += self._recover(e)
+        return outs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, max_steps: int) -> list[RequestOutput]:
         self.ops.fork_ready(self.scheduler)
         hinted = self.ops.prepare(self.runner, self.scheduler, lookup=self.caching)
         sched = self.scheduler.schedule()
@@ -202,8 +223,9 @@ class LLMEngine:
                 self.scheduler.started_from_cache(sched.chunks, num_free)
         t0 = time.perf_counter()
         progressed: dict[str, RequestState] = {}
-        if sched.loopable and not self.scheduler.waiting and self.config.max_decode_steps > 1:
-            self._run_decode_loop(sched, progressed)
+        max_steps = min(max_steps, self.config.max_decode_steps)
+        if sched.loopable and not self.scheduler.waiting and max_steps > 1:
+            self._run_decode_loop(sched, progressed, max_steps)
         else:
             self._run_mixed(sched, progressed)
         self.metrics.device_seconds += time.perf_counter() - t0
@@ -214,8 +236,6 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
                 self.metrics.add("num_finished")
-        if not self.scheduler.has_unfinished():
-            self.ops.prepare(self.runner, self.scheduler)  # an idle engine holds no blocks
         return outs
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
@@ -269,9 +289,9 @@ class LLMEngine:
                 self._append(s, out, r, 1, step_axis=False)
                 progressed[s.request_id] = s.request
 
-    def _run_decode_loop(self, sched, progressed) -> None:
+    def _run_decode_loop(self, sched, progressed, max_steps: int) -> None:
         seqs = [c.seq for c in sched.chunks]
-        k = self.scheduler.decode_horizon(seqs, self.config.max_decode_steps, self.max_model_len)
+        k = self.scheduler.decode_horizon(seqs, max_steps, self.max_model_len)
         if self.ops.free:  # slots preempted while scheduling: the loop must not reuse them
             self.ops.prepare(self.runner, self.scheduler)
         out = self.runner.decode(seqs, k)

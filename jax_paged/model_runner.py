@@ -263,8 +263,10 @@ class ModelRunner:
             parent[i], child[i] = p, c
         _, q_tokens, q_len = self.token_rows((-1, t) for t in lookup)
         args = (self.state, self._free_mask(free), parent, child, q_tokens, q_len)
+        # The state's structure differs once penalties track tokens: one variant for each.
+        key = (self.tracks_tokens,)
         self.state, num_free, hit, revive = self.call(
-            "prepare", runner.prepare, (), args, {}, kv=False
+            "prepare", runner.prepare, key, args, {}, kv=False
         )
         found = [(int(hit[i]), int(revive[i])) for i in range(len(lookup))]
         return int(num_free), found
