@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -49,6 +50,10 @@ if os.environ["JAX_PAGED_CACHE_DIR"]:
 
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_PAGED_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # A full run writes about 100 MB; least recently used entries go past 1 GiB (jax's
+    # eviction needs the `filelock` package, which transformers brings).
+    if importlib.util.find_spec("filelock") is not None:
+        jax.config.update("jax_compilation_cache_max_size", 1 << 30)
 
 # Loaded XLA CPU executables hold memory mappings (about 400 for an engine step of a tiny
 # model) and jax's caches keep them alive for the whole process: a suite that compiles a few
