@@ -37,6 +37,28 @@ def _xla_cache_dir() -> str:
     return str(Path(os.path.expanduser("~/.cache/jax_paged/test_xla")) / name)
 
 
+def _prune_xla_cache(folder: Path, keep: int = 1 << 30, limit: int = 2 << 30) -> None:
+    """Deletes the oldest entries once the folder holds more than ``limit`` bytes, down to
+    ``keep``. A full run writes about 100 MB, and every change to the code adds new entries.
+    (jax's own bound, ``jax_compilation_cache_max_size``, rescans the whole folder on every
+    write, which costs more than it saves here.)"""
+    try:
+        files = [(f.stat().st_mtime, f.stat().st_size, f) for f in folder.iterdir() if f.is_file()]
+    except OSError:
+        return
+    total = sum(size for _, size, _ in files)
+    if total <= limit:
+        return
+    for _, size, f in sorted(files, key=lambda x: x[0]):
+        if total <= keep:
+            break
+        try:
+            f.unlink()
+            total -= size
+        except OSError:
+            pass
+
+
 # `LLM` turns on jax's persistent compilation cache at $JAX_PAGED_CACHE_DIR; the tests use their
 # own folder ($JAX_PAGED_TEST_CACHE_DIR, or the per-version one above; "" turns it off) and cache
 # every program, not only those that take a second to compile as `LLM` does: most of the tiny
@@ -49,6 +71,7 @@ if os.environ["JAX_PAGED_CACHE_DIR"]:
 
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_PAGED_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _prune_xla_cache(Path(os.environ["JAX_PAGED_CACHE_DIR"]))
 
 # Loaded XLA CPU executables hold memory mappings (about 400 for an engine step of a tiny
 # model) and jax's caches keep them alive for the whole process: a suite that compiles a few
