@@ -285,8 +285,8 @@ def test_fault_in_the_idle_cleanup_keeps_the_finished_outputs(offline, monkeypat
     failures = engine.get_metrics()["num_step_failures"]
     seen = []
 
-    def fail_last(k, fn, key, args, static):
-        out = real(k, fn, key, args, static)
+    def fail_last(k, fn, key, args, static, **kw):
+        out = real(k, fn, key, args, static, **kw)
         seen.append(k)
         if len(seen) == len(kinds):
             raise RuntimeError("injected fault in the idle cleanup")
