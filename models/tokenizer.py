@@ -29,6 +29,20 @@ _QWEN2_SPLIT = (
 )
 
 
+def byte_level_alphabet() -> list[str]:
+    """The 256 printable characters byte-level BPE (GPT-2's scheme) stands for bytes 0..255, in
+    byte order: a byte-level vocabulary's first 256 tokens, as tiny test models build them."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
 def _gguf_pre_tokenizer(pre: str | None):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in (None, "default", "gpt2", "gpt-2"):

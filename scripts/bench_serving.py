@@ -63,7 +63,7 @@ def write_tiny_chat_model(directory: str | Path, *, seed: int = 0) -> Path:
     import models
 
     directory = Path(directory)
-    alphabet = _byte_level_alphabet()
+    alphabet = models.tokenizer.byte_level_alphabet()
     backend = tokenizers.Tokenizer(
         tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[])
     )
@@ -120,19 +120,6 @@ def export_hf_folder(gguf_path: str | Path, directory: str | Path) -> Path:
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
-
-
-def _byte_level_alphabet() -> list[str]:
-    """The 256 printable stand-ins byte-level BPE uses for bytes 0..255 (GPT-2's scheme)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
 
 
 # ----------------------------------------------------------------------------------------------

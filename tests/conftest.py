@@ -395,19 +395,6 @@ def smollm2_hf_model():
 # Tiny GGUF files, written the way llama.cpp's converter writes a Llama
 
 
-def byte_level_alphabet() -> list[str]:
-    """The 256 printable stand-ins byte-level BPE uses for bytes 0..255 (GPT-2's scheme)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
-
-
 def permute_qk_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF row order -> llama.cpp's (the inverse of what the loader undoes)."""
     rows, cols = w.shape
@@ -449,6 +436,8 @@ def write_tiny_gguf(path, hf_model=None, *, arch: str = "llama", extra_tensor=No
     w.add_vocab_size(dims["vocab"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
+    from models.tokenizer import byte_level_alphabet
+
     tokens = byte_level_alphabet()[: dims["vocab"]]
     w.add_token_list(tokens)
     w.add_token_types([1] * len(tokens))

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import tokenizers
-from conftest import byte_level_alphabet, make_tiny_llama
+from conftest import make_tiny_llama
 
 import models
 from jax_paged import LLM, SamplingParams
@@ -18,7 +18,7 @@ from jax_paged.output_processor import IncrementalDetokenizer
 def _byte_tokenizer() -> models.Tokenizer:
     """256 tokens, one per byte, no merges: random ids make invalid UTF-8 often, the hard case
     for an incremental decoder."""
-    alphabet = byte_level_alphabet()
+    alphabet = models.tokenizer.byte_level_alphabet()
     backend = tokenizers.Tokenizer(
         tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[])
     )
