@@ -41,7 +41,7 @@ KERNEL_TEST_FILES = ("tests/test_gpu_kernel.py", "tests/test_mosaic_gpu_kernel.p
 # A few cases of each kernel test module in a dry run (the interpreter is slow on a CPU).
 ENGINE_TEST_FILES = ("tests/test_engine.py",)
 STAGES = ("env", "kernel_tests", "bench_kernel", "engine", "engine_tests")
-DRY_RUN_TEST_FILTER = "lowering or (decode_matches_reference and 16) or scan"
+DRY_RUN_TEST_FILTER = "layers_in_scan or (lowering and decode)"
 
 
 def _python_env() -> dict[str, str]:
@@ -392,7 +392,7 @@ def main(argv=None):
                 f"--junitxml={out / 'engine_tests.xml'}",
             ]
             if args.dry_run:
-                cmd += ["-k", "greedy_matches_hf_under_preemption"]
+                cmd += ["-k", "bad_engine_config"]  # the stage's plumbing; the suite runs the rest
             limit = 200
         elif stage == "engine":
             cmd = [
