@@ -13,6 +13,7 @@ pytest.importorskip("fastapi")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_quick_run_reports_vllm_bench_serve_metrics(tmp_path):
     spec = importlib.util.spec_from_file_location(
         "bench_serving", ROOT / "scripts/bench_serving.py"
