@@ -185,9 +185,9 @@ class ModelRunner:
 
         ``kv=False``: ``fn`` neither reads nor writes the K/V pages, so the state goes in
         without them and they are put back into the returned state. A program that returns a
-        donated input unchanged is not guaranteed to alias it: XLA on a GPU copied the pages
-        (two 39 GiB allocations for a Llama-3-8B-sized pool on an H200) where it aliased them
-        on the CPU.
+        donated input unchanged is not guaranteed to alias it: on an H200 this program, with the
+        pages passed through, asked for a 39 GiB buffer (one K or V pool of a Llama-3-8B-sized
+        cache) and ran out of memory, where on the CPU its memory analysis shows them aliased.
         """
         if not kv:
             pages = args[0].kv

@@ -76,6 +76,21 @@ def run_stage(name: str, cmd: list[str], out: Path, timeout: float) -> dict:
     return dict(stage=name, rc=rc, ok=rc == 0, seconds=seconds, log=log.name)
 
 
+def pytest_cmd(files, junit_xml: Path) -> list[str]:
+    """pytest over ``files`` in this Python, each test named in the log (a stage cut short by
+    its time limit writes no JUnit file), results also as JUnit XML."""
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        *files,
+        f"--junitxml={junit_xml}",
+    ]
+
+
 def junit_summary(xml_path: Path) -> dict:
     """{outcome: count} and each test's outcome and seconds from pytest's JUnit XML."""
     if not xml_path.exists():
@@ -357,16 +372,7 @@ def main(argv=None):
             cmd, limit = [py, me, "--out", str(out), "--stage", "env"], 60
         elif stage == "kernel_tests":
             files = [f for f in KERNEL_TEST_FILES if (ROOT / f).exists()]
-            cmd = [
-                py,
-                "-m",
-                "pytest",
-                "-v",
-                "-p",
-                "no:cacheprovider",
-                *files,
-                f"--junitxml={out / 'kernel_tests.xml'}",
-            ]
+            cmd = pytest_cmd(files, out / "kernel_tests.xml")
             if args.dry_run:
                 cmd += ["-k", DRY_RUN_TEST_FILTER]
             limit = 240
@@ -381,16 +387,7 @@ def main(argv=None):
             limit = 180
         elif stage == "engine_tests":
             # The engine against the HF oracle with the GPU's default kernel ("auto").
-            cmd = [
-                py,
-                "-m",
-                "pytest",
-                "-v",
-                "-p",
-                "no:cacheprovider",
-                *ENGINE_TEST_FILES,
-                f"--junitxml={out / 'engine_tests.xml'}",
-            ]
+            cmd = pytest_cmd(ENGINE_TEST_FILES, out / "engine_tests.xml")
             if args.dry_run:
                 cmd += ["-k", "bad_engine_config"]  # the stage's plumbing; the suite runs the rest
             limit = 200
