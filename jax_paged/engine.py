@@ -1,18 +1,17 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one scheduled step at a time.
 
-One `step()`, with its device calls (`ModelRunner`; each a compiled program, state donated)::
+One `step()` is one plan in, one compiled program, one result out::
 
-    prepare     if anything is queued: free finished slots, fork n > 1 siblings, look
-                the waiting prompts up in the prefix cache                    (one call)
-    Scheduler.schedule()   which chunks of which sequences run (host arithmetic)
-    admit       if sequences were admitted: start them from the prefix cache, set their
-                sampling rows                                                  (one call)
-    run         all decoding, nothing waiting -> decode loop (many tokens, one call)
-                otherwise                     -> mixed step  (prefill chunks + decodes)
-                (either adds the blocks it fills to the prefix cache)
-    OutputProcessor: append tokens, detokenise, stop strings, finish           (host)
+    plan = scheduler.schedule()      what the device does in the step (`SchedulerOutput`):
+                                     free, fork, take prefix hits, start sampling rows,
+                                     the chunks to run, the prompts to look up next
+    result = runner.execute(plan)    one call: a mixed step (prefill chunks + decodes) or,
+                                     all decoding and nothing waiting, a decode loop
+    scheduler.update(plan, result)   the device's free count, tokens computed, lookup hints
+    process(plan, result)            append tokens, detokenise, stop strings, finish (host)
 
-In a steady decode phase that is one device call per step (`get_metrics()`:
+Only an idle engine makes a call of another kind (`runner.prepare`): to look up prompts that
+just arrived, and to free what finished once nothing is left (`get_metrics()`:
 ``device_calls_per_step``). The device state is the one authority on blocks; the scheduler
 plans against what it last reported, and a chunk the device cannot hold after all is
 preempted. A step that raises fails its own requests and the state is rebuilt (`step`).
@@ -25,12 +24,10 @@ import logging
 import time
 import traceback
 
-import numpy as np
 from flax import nnx
 
 from jax_paged import inputs
 from jax_paged import sharding as shard
-from jax_paged.block_ops import BlockOpQueue
 from jax_paged.config import EngineConfig, kv_dtype, size_kv_pool
 from jax_paged.metrics import EngineMetrics
 from jax_paged.model_runner import ModelRunner
@@ -88,12 +85,13 @@ class LLMEngine:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             window=self.runner.opts.drop_window,
+            caching=config.enable_prefix_caching,
+            max_cached_heads=max(4096, 4 * self.num_blocks),
         )
         self.metrics = EngineMetrics()
         self.caching = config.enable_prefix_caching
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
-        self.ops = BlockOpQueue(bs, self.caching, max_cached_heads=max(4096, 4 * self.num_blocks))
         self._step_seqs: list[Sequence] | None = None  # the sequences of the step in flight
 
     @property
@@ -136,7 +134,7 @@ class LLMEngine:
             chunk=self.max_num_batched_tokens,
         )
         req = self.output.new_request(request_id, text, ids, params, max_tokens, self._seq_ids)
-        self.ops.add_request(req, self.scheduler)
+        self.scheduler.add_request(req)
         self.requests[request_id] = req
         self.metrics.add("num_requests")
         self.metrics.add("prompt_tokens", len(ids))
@@ -158,16 +156,12 @@ class LLMEngine:
         return str(request_id) in self.requests
 
     def _abort_seqs(self, req: RequestState) -> None:
-        self.ops.fork_waiting.pop(req.request_id, None)
-        for s in req.pending_forks:  # siblings waiting for a fork are queued nowhere
-            s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
-        req.pending_forks = []
+        self.scheduler.drop_forks(req)  # siblings waiting for a fork are queued nowhere
         for s in req.seqs:
             if s.status is not SequenceStatus.FINISHED:
                 self._finish_seq(s, "abort", None)
 
     def _finish_seq(self, seq: Sequence, reason: str, stop_reason) -> None:
-        self.ops.release(seq)
         self.scheduler.finish(seq)
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
@@ -191,8 +185,12 @@ class LLMEngine:
             not isinstance(max_decode_steps, int) or max_decode_steps < 1
         ):
             raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
+        steps = min(max_decode_steps or self.config.max_decode_steps, self.config.max_decode_steps)
         try:
-            outs = self._step(max_decode_steps or self.config.max_decode_steps)
+            self._bookkeeping()  # an idle engine looks new arrivals up first
+            plan = self.scheduler.schedule(steps, self.max_model_len)
+            self._step_seqs = [c.seq for c in plan.chunks]
+            outs = [] if plan.is_empty else self._process(plan, self._execute(plan))
         except Exception as e:  # noqa: BLE001 - contained: see the docstring
             return self._recover(e)
         if not self.scheduler.has_unfinished():
@@ -200,35 +198,43 @@ class LLMEngine:
             # the outputs above still go out and the state is rebuilt.
             self._step_seqs = None
             try:
-                self.ops.prepare(self.runner, self.scheduler)
+                self._bookkeeping()
             except Exception as e:  # noqa: BLE001 - contained, as above
                 outs += self._recover(e)
         return outs
 
-    def _step(self, max_steps: int) -> list[RequestOutput]:
-        self.ops.fork_ready(self.scheduler)
-        hinted = self.ops.prepare(self.runner, self.scheduler, lookup=self.caching)
-        sched = self.scheduler.schedule()
-        for q in hinted:  # the lookup holds for this step only
-            q.prefix_hit = q.prefix_revive = 0
-        self._step_seqs = [c.seq for c in sched.chunks]
-        self.ops.free += self.scheduler.drain_preempted_slots()
-        self.metrics.on_schedule(sched, self.scheduler, self.caching)
-        if not sched.chunks:
-            return []
-        admitted = [s for s in self.scheduler.running if s.needs_row_init]
-        if admitted:  # raises if matching finds other blocks than the lookup did
-            num_free = self.runner.admit(admitted, sched.fresh, self.scheduler.running)
-            if sched.fresh:
-                self.scheduler.started_from_cache(sched.chunks, num_free)
+    def _bookkeeping(self) -> None:
+        plan = self.scheduler.idle_plan()
+        if plan is not None:
+            self._execute(plan)
+
+    def _execute(self, plan):
+        """One compiled call for ``plan``; the scheduler learns its result."""
         t0 = time.perf_counter()
-        progressed: dict[str, RequestState] = {}
-        max_steps = min(max_steps, self.config.max_decode_steps)
-        if sched.loopable and not self.scheduler.waiting and max_steps > 1:
-            self._run_decode_loop(sched, progressed, max_steps)
-        else:
-            self._run_mixed(sched, progressed)
+        result = self.runner.execute(plan)
         self.metrics.device_seconds += time.perf_counter() - t0
+        self.scheduler.update(plan, result)
+        return result
+
+    def _process(self, plan, result) -> list[RequestOutput]:
+        """Hands each sequence's new tokens to the output processor (detokenising, stop
+        strings, finishing); returns the outputs of the requests that progressed."""
+        self.metrics.on_schedule(plan, self.scheduler, self.caching)
+        self.metrics.after_step([q.num_computed for q in self.scheduler.running], self.scheduler)
+        if plan.decode_steps:
+            self.metrics.add("decode_loop_tokens", int(result.made.sum()))
+        progressed: dict[str, RequestState] = {}
+        off = 0
+        for r, c in enumerate(plan.chunks):
+            s, off = c.seq, off + c.length
+            if not result.ok[r]:
+                continue
+            if result.prompt_lp is not None and s.params.prompt_logprobs is not None:
+                plp = result.prompt_lp
+                self.output.record_prompt_logprobs(s, c.start, c.length, plp, off - c.length)
+            if result.made[r]:
+                self._append(s, result, r, int(result.made[r]))
+                progressed[s.request_id] = s.request
         self.metrics.maybe_log(self.get_metrics)
         outs = []
         for req in progressed.values():
@@ -259,56 +265,15 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
             self.metrics.add("num_failed")
             outs.append(self.output.make_output(req))
-        for s in list(self.scheduler.running):
-            self.scheduler.preempt(s)
-        self.scheduler.drain_preempted_slots()
-        self.scheduler.num_free_blocks = self.scheduler.num_blocks
-        self.ops.reset()
+        self.scheduler.reset()
         self.runner.reset()
         return outs
 
-    # -- running a step --------------------------------------------------------------------
-    def _run_mixed(self, sched, progressed) -> None:
-        chunks = sched.chunks
-        free, self.ops.free = self.ops.free, []
-        out, want_plp = self.runner.mixed(chunks, free)
-        done = {id(c.seq): c.start + c.length for r, c in enumerate(chunks) if out.ok[r]}
-        lengths = [done.get(id(q), q.num_computed) for q in self.scheduler.running]
-        self.ops.free += self.scheduler.update_from_mixed(chunks, out.ok, int(out.num_free))
-        self.metrics.after_step(lengths, self.scheduler)
-        off = 0
-        for r, c in enumerate(chunks):
-            s, off = c.seq, off + c.length
-            if not out.ok[r]:
-                continue
-            if want_plp and s.params.prompt_logprobs is not None:
-                plp = out.prompt_lp
-                self.output.record_prompt_logprobs(s, c.start, c.length, plp, off - c.length)
-            self.ops.filled(s, c.start)
-            if c.samples:
-                self._append(s, out, r, 1, step_axis=False)
-                progressed[s.request_id] = s.request
-
-    def _run_decode_loop(self, sched, progressed, max_steps: int) -> None:
-        seqs = [c.seq for c in sched.chunks]
-        k = self.scheduler.decode_horizon(seqs, max_steps, self.max_model_len)
-        if self.ops.free:  # slots preempted while scheduling: the loop must not reuse them
-            self.ops.prepare(self.runner, self.scheduler)
-        out = self.runner.decode(seqs, k)
-        made = np.sum(out.tokens[: int(out.num_steps), : len(seqs)] >= 0, axis=0)  # per row
-        self.metrics.add("decode_loop_tokens", int(made.sum()))
-        self.scheduler.update_from_decode(seqs, made, int(out.num_free))
-        self.metrics.after_step([q.num_computed for q in seqs], self.scheduler)
-        for r, s in enumerate(seqs):
-            self.ops.filled(s, s.num_computed - int(made[r]))
-            self._append(s, out, r, int(made[r]), step_axis=True)
-            progressed[s.request_id] = s.request
-
-    def _append(self, s: Sequence, out, r: int, m: int, step_axis: bool) -> None:
-        """Gives row ``r``'s first ``m`` tokens of ``out`` (arrays [steps, rows] with
-        ``step_axis``, else [rows]) to the output processor; finishes ``s`` if one stops it."""
+    def _append(self, s: Sequence, out, r: int, m: int) -> None:
+        """Gives row ``r``'s first ``m`` tokens of ``out`` (arrays [steps, rows]) to the output
+        processor; finishes ``s`` if one stops it."""
         arrays = (out.tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)
-        cols = [a[:m, r] if step_axis else a[r : r + 1] for a in arrays]
+        cols = [a[:m, r] for a in arrays]
         toks, lps, ranks = cols[0].tolist(), cols[1].tolist(), cols[2].tolist()
         kept, reason = self.output.append(s, toks, lps, ranks, list(cols[3]), list(cols[4]))
         self.metrics.add("generated_tokens", kept)

@@ -81,6 +81,8 @@ class EngineMetrics:
         m.update(
             num_device_calls=runner.num_calls,
             device_calls_per_step=runner.num_calls / max(1, c["num_steps"]),
+            host_to_device_bytes=runner.host_to_device_bytes,
+            host_to_device_bytes_per_step=runner.host_to_device_bytes / max(1, c["num_steps"]),
             device_seconds=self.device_seconds,
             compiled_seconds=runner.call_seconds,
             peak_kv_usage=self.peak_kv_usage,

@@ -6,16 +6,18 @@ Every call is one compiled program with the device state donated (updated in pla
 copied). Programs are compiled on first use per bucket key and kept; shapes are bucketed so a
 long run compiles a handful of variants (`get_metrics()["compiled_variants"]`):
 
-* ``prepare``: cache full blocks, free slots, fork, look prompts up in the prefix cache;
-* ``admit``: start admitted sequences from the prefix cache, set their sampling rows;
 * ``mixed``: prefill chunks and decodes in one ragged batch (`runner.mixed_step`);
-* ``decode``: many decode steps on the device (`runner.decode_loop`).
+* ``decode``: many decode steps on the device (`runner.decode_loop`);
+* ``prepare``: bookkeeping with no forward (`runner.prepare`): an idle engine frees what
+  finished and looks up prompts that just arrived.
+
+Each starts with the plan's block ops (free, fork, take prefix hits, set sampling rows), so
+a step is one call (`execute`): one `SchedulerOutput` in, one `StepResult` out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -27,11 +29,10 @@ import numpy as np
 from flax import nnx
 
 from jax_paged import block_manager as bm
-from jax_paged import prefix_cache as pc
 from jax_paged import runner, sampling
 from jax_paged import sharding as shard
 from jax_paged.config import kv_dtype
-from jax_paged.scheduler import ScheduledChunk, Sequence, blocks_for
+from jax_paged.scheduler import SchedulerOutput, Sequence, blocks_for
 from models.llama import prepare_layer_weights
 
 logger = logging.getLogger("jax_paged")
@@ -110,6 +111,7 @@ class ModelRunner:
         self.seconds_by_kind: dict[str, float] = {}  # time inside compiled calls, per kind
         self.num_calls = 0
         self.call_seconds = 0.0
+        self.host_to_device_bytes = 0
 
     # -- state -----------------------------------------------------------------------------
     def fresh_state(self, track_tokens: bool) -> runner.DeviceState:
@@ -197,6 +199,9 @@ class ModelRunner:
 
     def _run(self, kind: str, fn, key: tuple, args: tuple, static: dict):
         ckey = (kind,) + key
+        # What crosses from the host: the numpy inputs (params and state stay on the device).
+        host = [a for a in jax.tree.leaves(args) if isinstance(a, np.ndarray | np.generic)]
+        self.host_to_device_bytes += sum(a.nbytes for a in host)
         if self.mesh is not None:  # host inputs as global arrays (several hosts: the same)
             args = shard.put_replicated(args, self.mesh)
         compiled = self.compiled.get(ckey)
@@ -219,23 +224,6 @@ class ModelRunner:
         self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + dt
         return out
 
-    def token_rows(self, items) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(slots i32[S], tokens i32[S, K], lengths i32[S]) for (slot, tokens) pairs, -1 and 0
-        padded: the block manager's batched form of per-sequence token lists."""
-        s, k = self.max_num_seqs, self.max_blocks_per_seq * self.config.block_size
-        slots = np.full(s, -1, np.int32)
-        tokens = np.zeros((s, k), np.int32)
-        lens = np.zeros(s, np.int32)
-        for i, (slot, toks) in enumerate(items):
-            slots[i], lens[i] = slot, len(toks)
-            tokens[i, : len(toks)] = toks
-        return slots, tokens, lens
-
-    def _free_mask(self, free_slots: list[int]) -> np.ndarray:
-        mask = np.zeros(self.max_num_seqs, bool)
-        mask[free_slots] = True
-        return mask
-
     def _tensors(self, seqs: list[Sequence | None], pad_to: int):
         params = [None if s is None else s.params for s in seqs]
         uids = [None if s is None else s.seq_id for s in seqs]
@@ -252,85 +240,108 @@ class ModelRunner:
             ),
         )
 
-    # -- the programs ----------------------------------------------------------------------
-    def prepare(self, free: list[int], forks, lookup):
-        """Frees the ``free`` slots, applies the ``forks`` (parent slot, child slot) and looks
-        up the ``lookup`` token lists in the prefix cache. Returns (free blocks, [(cached
-        tokens, evictable blocks among them)] per lookup)."""
-        parent = np.full(self.max_num_seqs, -1, np.int32)
-        child = np.full(self.max_num_seqs, -1, np.int32)
-        for i, (p, c) in enumerate(forks):
-            parent[i], child[i] = p, c
-        _, q_tokens, q_len = self.token_rows((-1, t) for t in lookup)
-        args = (self.state, self._free_mask(free), parent, child, q_tokens, q_len)
-        # The state's structure differs once penalties track tokens: one variant for each.
-        key = (self.tracks_tokens,)
-        self.state, num_free, hit, revive = self.call(
-            "prepare", runner.prepare, key, args, {}, kv=False
-        )
-        found = [(int(hit[i]), int(revive[i])) for i in range(len(lookup))]
-        return int(num_free), found
-
-    def admit(self, seqs: list[Sequence], fresh: list[ScheduledChunk], running=()) -> int:
-        """Starts the ``fresh`` chunks' sequences from the prefix cache in their slots (the
-        blocks this step's `prepare` found for them, row ``seq.prefix_row``) and sets
-        the sampling rows of the admitted ``seqs`` (their ``needs_row_init`` is cleared).
-        The first sequence with penalties switches the sampling history to per-slot token
-        counts, filled in for the other ``running`` sequences. Returns the free blocks. Raises
-        RuntimeError if a fresh chunk's sequence matched other than the ``c.start`` cached
-        tokens its lookup found."""
-        if not self.tracks_tokens and any(s.params.uses_penalties for s in seqs):
-            self.start_tracking_tokens([q for q in running if not q.needs_row_init])
-        m = _pow2_at_least(max(len(seqs), self.max_num_seqs))  # one shape: one compiled variant
-        slots = np.full(m, -1, np.int32)
-        for i, s in enumerate(seqs):
-            slots[i] = s.slot
-        mslots = np.full(self.max_num_seqs, -1, np.int32)
-        mrows = np.zeros(self.max_num_seqs, np.int32)
-        for i, c in enumerate(fresh):
-            mslots[i], mrows[i] = c.seq.slot, c.seq.prefix_row
-        match = (mslots, mrows)
-        if self.tracks_tokens:
-            lp = _pow2_at_least(max(len(s.prompt_token_ids) for s in seqs), 16)
-            lo = _pow2_at_least(max(len(s.output_token_ids) for s in seqs), 16)
-            prompt = np.full((m, lp), -1, np.int32)
-            out = np.full((m, lo), -1, np.int32)
-            for i, s in enumerate(seqs):
-                prompt[i, : len(s.prompt_token_ids)] = s.prompt_token_ids
-                out[i, : len(s.output_token_ids)] = s.output_token_ids
-            args = (self.state, *match, slots, prompt, out)
-            key, fn = (m, lp, lo), _admit_tracked
+    # -- one step ------------------------------------------------------------------------
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        """Runs the step ``plan`` describes as one compiled program (`runner.mixed_step`,
+        `runner.decode_loop` when ``plan.decode_steps``, `runner.prepare` when it has no
+        chunks) and returns its results. Raises RuntimeError if a take started from other
+        than the ``c.start`` cached tokens its lookup found (the step's requests then fail)."""
+        if not self.tracks_tokens and any(s.params.uses_penalties for s in plan.row_inits):
+            self.start_tracking_tokens([q for q in plan.running if not q.needs_row_init])
+        ops, ops_key = self._block_ops(plan)
+        prompts = self._lookup_rows(plan.lookups)
+        if not plan.chunks:
+            key = (self.tracks_tokens, ops_key, prompts is not None)
+            args = (self.state, ops, prompts)
+            self.state, num_free, cached, hits = self.call(
+                "prepare", runner.prepare, key, args, {}, kv=False
+            )
+            none = np.zeros((1, 0), np.int32)
+            result = StepResult(none, none, none, none, none, none[0], none[0] > 0, int(num_free))
+            result.cached, result.hits = cached, hits
+        elif plan.decode_steps:
+            result = self._decode(plan, ops, ops_key)
         else:
-            n_out = np.zeros(m, np.int32)
-            for i, s in enumerate(seqs):
-                n_out[i] = len(s.output_token_ids)
-            args = (self.state, *match, slots, n_out)
-            key, fn = (m,), _admit_untracked
-        self.state, cached, num_free = self.call("admit", fn, key, args, {}, kv=False)
-        for i, c in enumerate(fresh):
+            result = self._mixed(plan, ops, prompts, ops_key)
+        cached, hits = result.cached, result.hits
+        for i, c in enumerate(plan.fresh):
             if int(cached[i]) != c.start:
                 raise RuntimeError(
                     f"prefix cache: the lookup found {c.start} tokens for request "
-                    f"{c.seq.request_id} but matching found {int(cached[i])}"
+                    f"{c.seq.request_id} but taking found {int(cached[i])}"
                 )
-        for s in seqs:
-            s.needs_row_init = False
-        return int(num_free)
+        if hits is not None:
+            n = len(plan.lookups)
+            result.hits = [(int(h), int(r)) for h, r in zip(hits[0][:n], hits[1][:n], strict=True)]
+        return result
+
+    def _block_ops(self, plan: SchedulerOutput) -> tuple[runner.BlockOps, tuple]:
+        """The plan's `runner.BlockOps` as padded host arrays, and their shape key."""
+        s = self.max_num_seqs
+        free_mask, preempt_mask = np.zeros(s, bool), np.zeros(s, bool)
+        free_mask[plan.free_slots] = True
+        preempt_mask[plan.preempted_slots] = True
+        fork_parent, fork_child = np.full(s, -1, np.int32), np.full(s, -1, np.int32)
+        for i, (p, c) in enumerate(plan.forks):
+            fork_parent[i], fork_child[i] = p, c
+        take_slot, take_row = np.full(s, -1, np.int32), np.zeros(s, np.int32)
+        for i, c in enumerate(plan.fresh):
+            take_slot[i], take_row[i] = c.seq.slot, c.seq.prefix_row
+        seqs = plan.row_inits
+        init_slot = np.full(s, -1, np.int32)
+        init_slot[: len(seqs)] = [q.slot for q in seqs]
+        if self.tracks_tokens:
+            lp = _pow2_at_least(max((len(q.prompt_token_ids) for q in seqs), default=0), 16)
+            lo = _pow2_at_least(max((len(q.output_token_ids) for q in seqs), default=0), 16)
+            init_prompt = np.full((s, lp), -1, np.int32)
+            init_out = np.full((s, lo), -1, np.int32)
+            for i, q in enumerate(seqs):
+                init_prompt[i, : len(q.prompt_token_ids)] = q.prompt_token_ids
+                init_out[i, : len(q.output_token_ids)] = q.output_token_ids
+            key = (lp, lo)
+        else:
+            init_prompt, key = None, ()
+            init_out = np.zeros(s, np.int32)
+            init_out[: len(seqs)] = [len(q.output_token_ids) for q in seqs]
+        ops = runner.BlockOps(
+            free_mask=free_mask,
+            fork_parent=fork_parent,
+            fork_child=fork_child,
+            preempt_mask=preempt_mask,
+            take_slot=take_slot,
+            take_row=take_row,
+            init_slot=init_slot,
+            init_out=init_out,
+            init_prompt=init_prompt,
+        )
+        return ops, key
+
+    def _lookup_rows(self, seqs: list[Sequence]):
+        """(tokens i32[S, P * bs], lengths i32[S]) of the prompts to look up, or None."""
+        if not seqs:
+            return None
+        s, k = self.max_num_seqs, self.max_blocks_per_seq * self.config.block_size
+        tokens = np.zeros((s, k), np.int32)
+        lens = np.zeros(s, np.int32)
+        for i, q in enumerate(seqs):
+            toks = q.all_token_ids
+            lens[i] = len(toks)
+            tokens[i, : len(toks)] = toks
+        return tokens, lens
 
     def start_tracking_tokens(self, running: list[Sequence]) -> None:
         """Switches the sampling history to per-slot token counts (penalties need them),
-        filled in for the ``running`` sequences."""
+        filled in for the ``running`` sequences (one `runner.prepare` call, once per engine)."""
         s = self.state
         counts = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=True)
         counts = dataclasses.replace(counts, num_generated=s.sampling.num_generated)
         self.state = self._place(s.replace(sampling=counts))
         if running:
-            self.admit(running, [])
+            self.execute(SchedulerOutput(chunks=[], preempted=[], row_inits=running))
 
-    def mixed(self, chunks: list[ScheduledChunk], free: list[int]):
-        """One ragged batch of the ``chunks`` (prefill chunks and decodes), after freeing the
-        ``free`` slots. Returns (`runner.MixedOutput` as numpy, whether prompt log-probs were
-        computed)."""
+    def _mixed(self, plan: SchedulerOutput, ops: runner.BlockOps, prompts, ops_key):
+        """One ragged batch of the plan's chunks (prefill chunks and decodes)."""
+        chunks = plan.chunks
         num_tokens = sum(c.length for c in chunks)
         t = _pow2_at_least(num_tokens, _MIN_TOKENS)
         t = min(t, _pow2_at_least(self.max_num_batched_tokens, _MIN_TOKENS))
@@ -375,7 +386,6 @@ class ModelRunner:
             last_idx=last_idx,
             samples=samples,
             num_new=num_new,
-            free_mask=self._free_mask(free),
             next_tokens=next_tokens,
         )
         seqs = [c.seq for c in chunks] + [None] * (b - len(chunks))
@@ -388,14 +398,31 @@ class ModelRunner:
             num_top_logprobs=ntop,
             prompt_logprobs_k=plp_k,
         )
-        key = (t, b, ntop, plp_k, self.tracks_tokens, tensors.stop_token_ids.shape[1])
-        args = (self.params, self.state, batch, tensors, self.key)
+        key = (t, b, ntop, plp_k, tensors.stop_token_ids.shape[1], prompts is not None)
+        key += ops_key
+        args = (self.params, self.state, ops, batch, tensors, self.key, prompts)
         self.state, out = self.call("mixed", runner.mixed_step, key, args, static)
-        return jax.device_get(out), want_plp
+        out = jax.device_get(out)
+        n = len(chunks)
+        ok = np.asarray(out.ok[:n])
+        return StepResult(
+            tokens=out.tokens[None],
+            logprobs=out.logprobs[None],
+            ranks=out.ranks[None],
+            top_ids=out.top_ids[None],
+            top_logprobs=out.top_logprobs[None],
+            made=(ok & samples[:n]).astype(np.int32),
+            ok=ok,
+            num_free=int(out.num_free),
+            cached=out.cached,
+            hits=out.hits,
+            prompt_lp=out.prompt_lp if want_plp else None,
+        )
 
-    def decode(self, seqs: list[Sequence], k: int):
-        """Up to ``k`` decode steps of ``seqs`` on the device (each row stops at its stop
-        token, max_tokens or the model length). Returns `runner.DecodeOutput` as numpy."""
+    def _decode(self, plan: SchedulerOutput, ops: runner.BlockOps, ops_key) -> StepResult:
+        """Up to ``plan.decode_steps`` decode steps of the plan's sequences on the device (each
+        row stops at its stop token, max_tokens or the model length)."""
+        seqs = [c.seq for c in plan.chunks]
         b = min(_pow2_at_least(len(seqs), _MIN_DECODE_ROWS), _pow2_at_least(self.max_num_seqs))
         last = np.zeros(b, np.int32)
         row_slot = np.full(b, -1, np.int32)
@@ -414,36 +441,50 @@ class ModelRunner:
             max_steps=self.config.max_decode_steps,
             num_top_logprobs=ntop,
         )
-        key = (b, ntop, self.tracks_tokens, tensors.stop_token_ids.shape[1])
-        args = (self.params, self.state, last, row_slot, active, max_len, tensors, self.key)
-        self.state, out = self.call("decode", runner.decode_loop, key, (*args, np.int32(k)), static)
-        return jax.device_get(out)
+        key = (b, ntop, tensors.stop_token_ids.shape[1]) + ops_key
+        args = (self.params, self.state, ops, last, row_slot, active, max_len, tensors, self.key)
+        k = np.int32(plan.decode_steps)
+        self.state, out = self.call("decode", runner.decode_loop, key, (*args, k), static)
+        out = jax.device_get(out)
+        steps, n = int(out.num_steps), len(seqs)
+        made = np.sum(out.tokens[:steps, :n] >= 0, axis=0).astype(np.int32)
+        return StepResult(
+            tokens=out.tokens,
+            logprobs=out.logprobs,
+            ranks=out.ranks,
+            top_ids=out.top_ids,
+            top_logprobs=out.top_logprobs,
+            made=made,
+            ok=np.ones(n, bool),
+            num_free=int(out.num_free),
+            cached=out.cached,
+        )
 
 
-# Admission: start sequences from the prefix cache, set their slots' sampling history. The
-# whole device state is donated (the KV pool is passed through untouched, never copied).
-def _take_found(state: runner.DeviceState, mslots, mrows):
-    """Starts slots ``mslots`` (i32[M], -1 = padding) from what the last `prepare` found for
-    its lookup rows ``mrows`` (i32[M])."""
-    if state.found_blocks is None:  # no prefix caching: nothing can have been found
-        return state.blocks, jnp.zeros(mslots.shape, jnp.int32)
-    cand, matched = state.found_blocks[mrows], state.found_len[mrows]
-    blocks, cached, _ = pc.take_prefix(state.blocks, mslots, cand, matched)
-    return blocks, cached
+@dataclasses.dataclass
+class StepResult:
+    """What one step's program reports, on the host (numpy). ``K`` steps (1 for a mixed step),
+    ``B`` padded rows, row ``r`` < len(plan.chunks) being chunk ``r``'s sequence.
 
+    Attributes:
+      tokens: i32[K, B] sampled tokens (-1 where the row made none); logprobs f32[K, B];
+        ranks i32[K, B]; top_ids i32[K, B, N]; top_logprobs f32[K, B, N].
+      made: i32[R] tokens each chunk's sequence sampled (decode loop: its tokens made).
+      ok: bool[R] the chunk ran (False: the device refused its reservation; nothing ran).
+      num_free: free blocks after the step (evictable cached blocks included).
+      cached: i32[S] tokens each take started from. hits: per looked-up prompt of the plan,
+        (cached tokens, evictable blocks among them); None when nothing was looked up.
+      prompt_lp: the prompt log-probs arrays when the step computed them, else None.
+    """
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _admit_untracked(state: runner.DeviceState, mslots, mrows, slots, n_out):
-    blocks, cached = _take_found(state, mslots, mrows)
-    s = state.sampling
-    b = s.num_generated.shape[0]
-    idx = jnp.where((slots >= 0) & (slots < b), slots, b)
-    samp = dataclasses.replace(s, num_generated=s.num_generated.at[idx].set(n_out, mode="drop"))
-    return state.replace(blocks=blocks, sampling=samp), cached, bm.num_free_blocks(blocks)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _admit_tracked(state: runner.DeviceState, mslots, mrows, slots, prompt, out):
-    blocks, cached = _take_found(state, mslots, mrows)
-    samp = sampling.set_rows(state.sampling, slots, prompt, out)
-    return state.replace(blocks=blocks, sampling=samp), cached, bm.num_free_blocks(blocks)
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    made: np.ndarray
+    ok: np.ndarray
+    num_free: int
+    cached: Any = None
+    hits: Any = None
+    prompt_lp: Any = None

@@ -1,13 +1,17 @@
 """The device side of the engine: jit-compiled steps over the paged KV cache.
 
-Two compiled programs, each specialised to a few padded shapes (buckets):
+A step is one compiled program, specialised to a few padded shapes (buckets). Each starts
+with the step's block ops (`apply_ops`: free, fork, take prefix hits, set sampling rows), so
+that the host's whole plan for the step goes in with one call:
 
 - `mixed_step`: one forward over a flattened ragged batch of ``T`` tokens from ``B`` rows
-  (prefill chunks and decode tokens mixed), then sampling at each row's last token.
+  (prefill chunks and decode tokens mixed), sampling at each row's last token, then a prefix
+  lookup of the prompts that may be admitted next (`lookup`).
 - `decode_loop`: up to ``num_steps`` decode steps in one ``lax.while_loop`` (all on the device:
   block reservation, forward, sampling, stop checks); the host syncs once per call.
+- `prepare`: the block ops and a lookup without a forward (an idle engine's bookkeeping).
 
-Both take and return the whole device state as one `DeviceState` pytree, donated so the KV pages
+Each takes and returns the whole device state as one `DeviceState` pytree, donated so the KV pages
 and the block manager are updated in place::
 
     DeviceState(kv, blocks, sampling)   kv: KVCache [L, KVH, N, bs, D]
@@ -73,6 +77,77 @@ def _cache_filled(tokens, blocks, old_blocks, slot, positions, values, write, ma
 
 
 @struct.dataclass
+class BlockOps:
+    """What a step does to the state before its forward (`apply_ops`), in this order: free
+    slots, fork, free the slots the plan preempted, start admitted sequences from the prefix
+    cache, (re)start sampling rows. Host-built; padding entries are -1 (False in the masks).
+
+    Attributes:
+      free_mask: bool[S] slots to free first (finished, aborted, refused, preempted before).
+      fork_parent, fork_child: i32[S] slot pairs: the child shares all the parent's blocks
+        (and, with caching, its token row). A child's slot may be one freed just before.
+      preempt_mask: bool[S] slots of the sequences this plan preempted, freed after the forks
+        (a parent forked in this step may be one of them: its child keeps the blocks).
+      take_slot, take_row: i32[S]: slot ``take_slot[i]`` starts from the blocks the last
+        lookup found for its row ``take_row[i]`` (`prefix_cache.take_prefix`).
+      init_slot: i32[S] slots whose sampling row (re)starts.
+      init_out: i32[S] tokens each of them has generated or, when the sampling state tracks
+        tokens (penalties), i32[S, Lo] those tokens, -1 padded.
+      init_prompt: with tracked tokens, i32[S, Lp] each prompt, -1 padded; else None.
+    """
+
+    free_mask: jax.Array
+    fork_parent: jax.Array
+    fork_child: jax.Array
+    preempt_mask: jax.Array
+    take_slot: jax.Array
+    take_row: jax.Array
+    init_slot: jax.Array
+    init_out: jax.Array
+    init_prompt: jax.Array | None = None
+
+
+def apply_ops(state: DeviceState, ops: BlockOps) -> tuple[DeviceState, jax.Array]:
+    """Applies ``ops`` (see `BlockOps`). Returns (state, cached tokens i32[S] per take)."""
+    blocks = bm.free(state.blocks, ops.free_mask)
+    blocks, _ = bm.fork(blocks, ops.fork_parent, ops.fork_child)
+    tokens = state.tokens
+    if tokens is not None:
+        s = tokens.shape[0]
+        pair = (ops.fork_parent >= 0) & (ops.fork_child >= 0)
+        src = tokens[jnp.clip(ops.fork_parent, 0, s - 1)]
+        tokens = tokens.at[jnp.where(pair, ops.fork_child, s)].set(src, mode="drop")
+    blocks = bm.free(blocks, ops.preempt_mask)
+    if state.found_blocks is None:  # no prefix caching: nothing can have been found
+        cached = jnp.zeros(ops.take_slot.shape, jnp.int32)
+    else:
+        cand, matched = state.found_blocks[ops.take_row], state.found_len[ops.take_row]
+        blocks, cached, _ = pc.take_prefix(blocks, ops.take_slot, cand, matched)
+    samp = state.sampling
+    if ops.init_prompt is not None:
+        samp = sampling.set_rows(samp, ops.init_slot, ops.init_prompt, ops.init_out)
+    else:
+        b = samp.num_generated.shape[0]
+        idx = jnp.where((ops.init_slot >= 0) & (ops.init_slot < b), ops.init_slot, b)
+        gen = samp.num_generated.at[idx].set(ops.init_out, mode="drop")
+        samp = dataclasses.replace(samp, num_generated=gen)
+    return state.replace(blocks=blocks, tokens=tokens, sampling=samp), cached
+
+
+def lookup(state: DeviceState, prompts) -> tuple[DeviceState, Any]:
+    """Looks the ``prompts`` (i32[M, K] tokens, i32[M] lengths; 0 = padding) up in the prefix
+    cache without taking anything, and keeps what it found (``found_blocks``, ``found_len``)
+    for the next step's takes (nothing evicts before them: only a reservation does). Returns
+    (state, (cached tokens i32[M], evictable blocks among them i32[M])), or (state, None)
+    when ``prompts`` is None."""
+    if prompts is None:
+        return state, None
+    cand, matched = pc.lookup_blocks(state.blocks, *prompts)
+    hits = pc.prefix_hits(state.blocks, cand, matched)
+    return state.replace(found_blocks=cand, found_len=matched), hits
+
+
+@struct.dataclass
 class MixedBatch:
     """Host-built inputs of one `mixed_step`, padded to ``T`` tokens and ``B`` rows.
 
@@ -84,7 +159,7 @@ class MixedBatch:
       row_slot: i32[B] block-manager slot of each row (padding rows: -1).
       last_idx: i32[B] index of each row's last token (where its logits are taken).
       samples: bool[B] the row's chunk ends its sequence, so a token is sampled.
-      num_new: i32[S] tokens to reserve per slot. free_mask: bool[S] slots freed first.
+      num_new: i32[S] tokens to reserve per slot.
       next_tokens: i32[T] for prompt log-probs: the token after each input token (-1 if none).
     """
 
@@ -97,7 +172,6 @@ class MixedBatch:
     last_idx: jax.Array
     samples: jax.Array
     num_new: jax.Array
-    free_mask: jax.Array
     next_tokens: jax.Array
 
 
@@ -193,6 +267,8 @@ class StepOutput(struct.PyTreeNode):
     top_logprobs: jax.Array  # f32[B, N]
     num_free: jax.Array  # i32[] free blocks after the step
     ok: jax.Array  # bool[B] the row's reservation succeeded (False: nothing ran for it)
+    cached: jax.Array  # i32[S] tokens each take started from (`apply_ops`)
+    hits: Any = None  # (i32[M], i32[M]) what the lookup after the step found, or None
     prompt_lp: Any = None  # (f32[T], i32[T], i32[T, K], f32[T, K]) or None
 
 
@@ -204,9 +280,11 @@ class StepOutput(struct.PyTreeNode):
 def mixed_step(
     params,
     state: DeviceState,
+    ops: BlockOps,
     batch: MixedBatch,
     tensors: sampling.SamplingTensors,
     key: jax.Array,
+    prompts=None,
     *,
     graphdef,
     opts: AttentionOptions,
@@ -214,15 +292,18 @@ def mixed_step(
     prompt_logprobs_k: int = -1,
     greedy_only: bool = False,
 ) -> tuple[DeviceState, StepOutput]:
-    """One forward over a ragged batch; ``tensors`` has one row per batch row.
+    """One step over a ragged batch; ``tensors`` has one row per batch row.
 
-    Order on the device: free the slots in ``free_mask``; reserve ``num_new`` tokens per slot
-    (copy-on-write applied to the pages); write each token's K/V at its slot and attend through
-    the block tables; sample at each row's last token where ``samples``.
+    Order on the device: the block ops (`apply_ops`: free, fork, take prefix hits, set
+    sampling rows); reserve ``num_new`` tokens per slot (copy-on-write applied to the pages);
+    write each token's K/V at its slot and attend through the block tables; sample at each
+    row's last token where ``samples``; add the blocks the step filled to the prefix cache;
+    look the ``prompts`` (`lookup`) up for the next step.
     """
     model = nnx.merge(graphdef, params)
-    freed = bm.free(state.blocks, batch.free_mask)
-    blocks, res = bm.reserve(freed, batch.num_new)
+    state, cached = apply_ops(state, ops)
+    before = state.blocks
+    blocks, res = bm.reserve(before, batch.num_new)
     kv = _copy_on_write(state.kv, res)
 
     b = batch.row_slot.shape[0]
@@ -256,11 +337,12 @@ def mixed_step(
     written = (tok_slot >= 0) & res.ok[jnp.clip(tok_slot, 0)]
     t, bs = batch.tokens.shape[0], blocks.block_size
     tokens, blocks = _cache_filled(
-        state.tokens, blocks, freed, tok_slot, batch.positions, batch.tokens, written, t // bs + 1
+        state.tokens, blocks, before, tok_slot, batch.positions, batch.tokens, written, t // bs + 1
     )
     if opts.drop_window is not None:  # all of them: a prefix-cache hit may bring many
         blocks = bm.drop_out_of_window(blocks, opts.drop_window)
     new_state = state.replace(kv=kv, blocks=blocks, sampling=samp, tokens=tokens)
+    new_state, hits = lookup(new_state, prompts)
     return new_state, StepOutput(
         tokens=out.tokens,
         logprobs=out.logprobs,
@@ -269,6 +351,8 @@ def mixed_step(
         top_logprobs=out.top_logprobs,
         num_free=bm.num_free_blocks(blocks),
         ok=res.ok[safe_slot] | ~row_valid,
+        cached=cached,
+        hits=hits,
         prompt_lp=prompt_lp,
     )
 
@@ -283,6 +367,7 @@ class DecodeOutput(struct.PyTreeNode):
     top_logprobs: jax.Array  # f32[K, B, N]
     num_steps: jax.Array  # i32[] steps run
     num_free: jax.Array  # i32[]
+    cached: jax.Array  # i32[S] tokens each take started from (`apply_ops`)
 
 
 def decode_step(
@@ -347,6 +432,7 @@ def decode_step(
 def decode_loop(
     params,
     state: DeviceState,
+    ops: BlockOps,
     last_tokens: jax.Array,
     row_slot: jax.Array,
     active: jax.Array,
@@ -361,13 +447,15 @@ def decode_loop(
     num_top_logprobs: int = 0,
     greedy_only: bool = False,
 ) -> tuple[DeviceState, DecodeOutput]:
-    """Up to ``num_steps`` (<= ``max_steps``) decode steps on the device, no host round trip.
+    """The block ops (`apply_ops`), then up to ``num_steps`` (<= ``max_steps``) decode steps
+    on the device, no host round trip.
 
     A row stops after sampling a stop token (EOS unless ignore_eos, its stop_token_ids), on
     reaching its max_tokens, or when its sequence reaches ``max_len[b]`` tokens (i32[B]). The
     loop ends early when no row is active. Stop strings are the host's business.
     """
     model = nnx.merge(graphdef, params)
+    state, cached = apply_ops(state, ops)
     b = last_tokens.shape[0]
     n = num_top_logprobs
     out0 = DecodeOutput(
@@ -378,6 +466,7 @@ def decode_loop(
         top_logprobs=jnp.zeros((max_steps, b, n), jnp.float32),
         num_steps=jnp.int32(0),
         num_free=jnp.int32(0),
+        cached=cached,
     )
 
     def cond(carry):
@@ -422,38 +511,14 @@ def decode_loop(
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def prepare(
-    state: DeviceState,
-    free_mask: jax.Array,
-    fork_parent: jax.Array,
-    fork_child: jax.Array,
-    lookup_tokens: jax.Array,
-    lookup_len: jax.Array,
-) -> tuple[DeviceState, jax.Array, jax.Array, jax.Array]:
-    """Between steps, in this order: free slots, fork, and look up (without taking anything)
-    the prompts of sequences that may be admitted next. (Blocks reach the prefix cache in the
-    step that fills them: `DeviceState.tokens`.)
-
-    Args:
-      free_mask: bool[S] slots to free (finished, aborted, preempted).
-      fork_parent, fork_child: i32[F] slot pairs (-1 = padding): the child shares all the
-        parent's blocks (and, with caching, its token row).
-      lookup_tokens: i32[M, K] prompts to look up; lookup_len: i32[M] their lengths (0 =
-        padding). What they found is kept (``found_blocks``, ``found_len``) for `admit`.
+def prepare(state: DeviceState, ops: BlockOps, prompts=None):
+    """The block ops (`apply_ops`) and a lookup (`lookup`) with no forward: what an idle
+    engine does (free what finished, look up the prompts that just arrived) and what starts
+    token tracking for running rows. Neither reads nor writes the K/V pages.
 
     Returns:
-      (state, free blocks i32[], cached tokens i32[M] and evictable blocks among them i32[M]
-      per looked-up prompt: `prefix_cache.lookup_prefix`).
+      (state, free blocks i32[], cached tokens i32[S] per take, the lookup's hits or None).
     """
-    blocks = bm.free(state.blocks, free_mask)
-    blocks, _ = bm.fork(blocks, fork_parent, fork_child)
-    tokens = state.tokens
-    if tokens is not None:
-        s = tokens.shape[0]
-        dst = jnp.where((fork_parent >= 0) & (fork_child >= 0), fork_child, s)
-        tokens = tokens.at[dst].set(tokens[jnp.clip(fork_parent, 0, s - 1)], mode="drop")
-    cand, matched = pc.lookup_blocks(blocks, lookup_tokens, lookup_len)
-    hit, revive = pc.prefix_hits(blocks, cand, matched)
-    if state.found_blocks is not None:
-        state = state.replace(found_blocks=cand, found_len=matched)
-    return state.replace(blocks=blocks, tokens=tokens), bm.num_free_blocks(blocks), hit, revive
+    state, cached = apply_ops(state, ops)
+    state, hits = lookup(state, prompts)
+    return state, bm.num_free_blocks(state.blocks), cached, hits

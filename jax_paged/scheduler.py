@@ -1,12 +1,23 @@
 """Continuous-batching scheduler: which tokens of which sequences run in the next step.
 
-The scheduler is plain host Python. It never touches the device block manager; it plans
-against the free-block count the device last reported (after every device call), less what it
-grants, and a per-sequence block count. Allocation itself happens on the device, inside the
-compiled step. The plan is a bound, not a promise: blocks shared with other sequences (n > 1,
-prefix hits) may free fewer blocks than the host counted, so the device may refuse a chunk;
-a refusal is part of the contract (the step reports it per row and the engine preempts that
-sequence, which recomputes later), and it never corrupts the block manager.
+The scheduler is plain host Python and owns all host-side block accounting. It never touches
+the device block manager: `schedule()` returns one `SchedulerOutput` holding everything the
+device does in the step (slots to free, forks, admissions from the prefix cache, sampling rows
+to start, the chunks to run, the waiting prompts to look up for the next step), and
+`update(plan, result)` applies what the device reported. Allocation itself happens on the
+device, inside the compiled step. The plan is made against the free-block count the device
+last reported, which only `update` changes; blocks of sequences that finish between steps
+count once the device has freed them. The plan is a bound, not a promise: blocks shared with
+other sequences (n > 1, prefix hits) may free fewer blocks than a preemption counted, so the
+device may refuse a chunk; a refusal is part of the contract (the step reports it per row and
+`update` preempts that sequence, which recomputes later), and it never corrupts the block
+manager.
+
+Prefix hits: the device looks the prompts that may be admitted next up at the end of a step
+(`SchedulerOutput.lookups`), and the next step takes the blocks it found before anything can
+evict them. A prompt that could hit (its first block was cached once: ``cached_heads``) but
+arrived after the last lookup waits one step for its own; an idle engine looks it up at once
+(`idle_plan`).
 
 Every sequence computes the tokens ``all_tokens[num_computed:]`` (its prompt, then each
 sampled token). A step gives it a chunk of them::
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from collections import deque
 from typing import Any
 
@@ -83,12 +95,14 @@ class Sequence:
     prefill_cap: int | None = None
     cow_pending: bool = False
     needs_row_init: bool = False
-    # Prefix cache, as the device's last lookup found it for this waiting sequence: tokens it
-    # would start from, how many of those blocks are evictable (taken from the free pool), and
-    # its row in that lookup (admission takes the blocks found there).
+    # Prefix cache, as the device's last lookup found it for this waiting sequence (valid for
+    # the next step only: ``looked_up``): tokens it would start from, how many of those blocks
+    # are evictable (taken from the free pool), and its row in that lookup (admission takes the
+    # blocks found there).
     prefix_hit: int = 0
     prefix_revive: int = 0
     prefix_row: int = 0
+    looked_up: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -119,17 +133,45 @@ class ScheduledChunk:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    """One step's plan. ``fresh``: chunks of sequences admitted from the prefix cache;
-    ``admitted``: the sequences taken from the waiting queue."""
+    """One step's plan: everything the device does in the step, in the order it does it.
+
+    Attributes:
+      free_slots: slots to free first (sequences finished, aborted or preempted since the
+        last step).
+      forks: (parent slot, child slot): the child starts sharing all the parent's blocks.
+      preempted_slots: the slots of ``preempted``, freed after the forks.
+      fresh: chunks of sequences admitted from the prefix cache (the device takes the blocks
+        the last lookup found for them, row ``seq.prefix_row``).
+      row_inits: sequences whose sampling rows (re)start (admitted or forked).
+      chunks: the tokens to compute, one chunk per sequence; ``preempted``: sequences
+        preempted to make room.
+      decode_steps: > 0 when every chunk is a decode and nothing waits: a multi-step decode
+        loop of up to this many tokens per sequence runs them.
+      lookups: waiting sequences to look up in the prefix cache after the step.
+      admitted: the sequences taken from the waiting queue. running: every running sequence.
+    """
 
     chunks: list[ScheduledChunk]
     preempted: list[Sequence]
+    free_slots: list[int] = dataclasses.field(default_factory=list)
+    forks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    preempted_slots: list[int] = dataclasses.field(default_factory=list)
     fresh: list[ScheduledChunk] = dataclasses.field(default_factory=list)
-    admitted: list[Sequence] = dataclasses.field(default_factory=list)  # from the waiting queue
+    row_inits: list[Sequence] = dataclasses.field(default_factory=list)
+    decode_steps: int = 0
+    lookups: list[Sequence] = dataclasses.field(default_factory=list)
+    admitted: list[Sequence] = dataclasses.field(default_factory=list)
+    running: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(c.length for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the device to do."""
+        ops = self.free_slots or self.forks or self.preempted_slots or self.row_inits
+        return not (self.chunks or ops or self.lookups)
 
     @property
     def all_decode(self) -> bool:
@@ -157,7 +199,8 @@ def max_blocks_held(num_tokens: int, block_size: int, window: int | None, chunk:
 
 
 class Scheduler:
-    """FCFS continuous batching with chunked prefill and preemption by recompute.
+    """FCFS continuous batching with chunked prefill, preemption by recompute, n > 1 forks and
+    prefix-cache admissions; the host side of all block accounting.
 
     Args:
       num_blocks: usable blocks in the pool (the null block excluded).
@@ -167,6 +210,11 @@ class Scheduler:
       window: the sliding window through which every layer attends, if any: the device drops
         the blocks that fall out of it after each step, so a sequence holds fewer blocks than
         its table has entries (`held_blocks`).
+      caching: prefix caching is on (waiting prompts are looked up).
+      max_cached_heads: bound on ``cached_heads``, the first blocks ever filled with caching
+        on. A prompt whose first block is not in it cannot hit, so it is not looked up (a
+        superset: evictions are not tracked, which only costs a lookup that finds nothing).
+        Past the bound the filter is dropped (None) and every candidate is looked up.
     """
 
     def __init__(
@@ -177,6 +225,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         window: int | None = None,
+        caching: bool = False,
+        max_cached_heads: int = 4096,
     ):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -186,24 +236,59 @@ class Scheduler:
         self.block_size = block_size
         self.window = window
         self.num_blocks = num_blocks
-        self.num_free_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.caching = caching
+        self.max_cached_heads = max_cached_heads
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
         self.num_preemptions = 0
-        self._preempted_slots: list[int] = []
+        self.fork_waiting: dict[str, Any] = {}  # request id -> request whose leader prefills
+        self.reset()
+
+    def reset(self) -> None:
+        """The device state was rebuilt empty: every running sequence goes back to the waiting
+        queue (it re-prefills later) and nothing queued for the device is kept."""
+        for s in list(self.running):
+            self._preempt(s)
+        self.num_free_blocks = self.num_blocks  # as the device last reported
+        self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
+        self._to_free: list[int] = []
+        self._forks: list[tuple[int, int]] = []
+        self._hinted: list[Sequence] = []
+        self.cached_heads: set[tuple[int, ...]] | None = set()
+        for q in self.waiting:
+            q.looked_up, q.prefix_hit, q.prefix_revive = False, 0, 0
 
     # -- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_request(self, req) -> None:
+        """Queues a request's sequences. With n > 1 the first one prefills the prompt but its
+        last token; the others are then forked from it, sharing its blocks (copy-on-write of
+        the partial last block)."""
+        seqs = req.seqs
+        if len(seqs) > 1 and len(req.prompt_token_ids) > 1:
+            seqs[0].prefill_cap = len(req.prompt_token_ids) - 1
+            req.pending_forks = seqs[1:]
+            self.fork_waiting[req.request_id] = req
+            seqs = seqs[:1]
+        for s in seqs:
+            self.add(s)
+
+    def drop_forks(self, req) -> None:
+        """Forgets a request's planned forks (its siblings waiting for one finish as aborted)."""
+        self.fork_waiting.pop(req.request_id, None)
+        for s in req.pending_forks:
+            s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
+        req.pending_forks = []
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
-        """Removes a running or waiting sequence. The caller frees its device blocks."""
+        """Removes a running or waiting sequence; its slot is freed by the next step."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._release(seq)
@@ -219,20 +304,23 @@ class Scheduler:
         dead = int(window_dead_blocks(seq.num_computed, self.block_size, self.window))
         return seq.num_blocks - min(dead, seq.num_blocks)
 
-    def _release(self, seq: Sequence) -> None:
-        self.num_free_blocks += self.held_blocks(seq)
+    def _release(self, seq: Sequence) -> int:
+        """Gives ``seq``'s slot back (the device frees it first thing in the next step);
+        returns the blocks it held."""
+        held = self.held_blocks(seq)
         seq.num_blocks = 0
         self.free_slots.append(seq.slot)
+        self._to_free.append(seq.slot)
         seq.slot = None
+        return held
 
     def preempt(self, seq: Sequence) -> None:
-        """Preempts a running sequence by recompute (its slot is drained for freeing)."""
+        """Preempts a running sequence by recompute (its slot is freed by the next step)."""
         self._preempt(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> int:
         self.running.remove(seq)
-        self._preempted_slots.append(seq.slot)
-        self._release(seq)
+        held = self._release(seq)
         seq.num_computed = 0
         seq.cow_pending = False
         seq.num_preemptions += 1
@@ -243,6 +331,7 @@ class Scheduler:
         while i < len(self.waiting) and self.waiting[i].seq_id < seq.seq_id:
             i += 1
         self.waiting.insert(i, seq)
+        return held
 
     # -- one step --------------------------------------------------------------------------
     def _limit(self, seq: Sequence) -> int:
@@ -256,18 +345,19 @@ class Scheduler:
         cow = seq.cow_pending and length > 0 and seq.num_computed % bs != 0
         return need + int(cow)
 
-    def schedule(self) -> SchedulerOutput:
-        """Picks this step's chunks (host arithmetic only, no device call).
+    def schedule(self, max_decode_steps: int = 1, max_model_len: int | None = None):
+        """The next step's plan (host arithmetic only, no device call): a `SchedulerOutput`.
 
-        A waiting sequence with ``prefix_hit`` tokens found in the prefix cache (by the
-        device's lookup just before; the caller clears the hints after this call, as any
-        later step can evict) is admitted from there: its chunk starts after them and
-        its block need counts the evictable cached blocks it revives. Those admissions are in
-        ``fresh``; the device must start them from the cache before the step
-        (`prefix_cache.match_prefix`, which finds the same blocks: nothing changes the cache
-        in between).
+        A waiting sequence the last lookup found ``prefix_hit`` cached tokens for is admitted
+        from there: its chunk starts after them and its block need counts the evictable
+        cached blocks it revives. A waiting sequence that could hit but was not looked up
+        yet stops admission for this step (it is looked up at the end of it). With
+        ``max_decode_steps`` > 1, all chunks decodes and nothing waiting, the plan is a
+        multi-step decode loop (`decode_horizon`; ``max_model_len`` bounds it).
         """
-        budget = self.max_num_batched_tokens
+        self._fork_ready()
+        free_slots, self._to_free = self._to_free, []
+        budget, avail = self.max_num_batched_tokens, self.num_free_blocks
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         fresh: list[ScheduledChunk] = []
@@ -282,15 +372,15 @@ class Scheduler:
                 i += 1
                 continue
             need = self._need(seq, length)
-            while need > self.num_free_blocks and self.running[-1] is not seq:
+            while need > avail and self.running[-1] is not seq:
                 victim = self.running[-1]
-                self._preempt(victim)
+                avail += self._preempt(victim)
                 preempted.append(victim)
-            if need > self.num_free_blocks:  # even alone it does not fit: preempt itself
-                self._preempt(seq)
+            if need > avail:  # even alone it does not fit: preempt itself
+                avail += self._preempt(seq)
                 preempted.append(seq)
                 break
-            self._grant(seq, length, need, chunks)
+            avail -= self._grant(seq, length, need, chunks)
             budget -= length
             i += 1
 
@@ -299,11 +389,13 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
-            hit = seq.prefix_hit if seq.num_computed == 0 else 0
+            if self._could_hit(seq) and not seq.looked_up:
+                break
+            hit = seq.prefix_hit if seq.looked_up and seq.num_computed == 0 else 0
             length = max(0, min(self._limit(seq) - hit, budget))
             need = blocks_for(hit + length, bs) - hit // bs
             revive = seq.prefix_revive if hit else 0
-            if need + revive > self.num_free_blocks:
+            if need + revive > avail:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -314,23 +406,87 @@ class Scheduler:
             if hit:
                 seq.num_computed = seq.num_cached_tokens = hit
                 seq.num_blocks = hit // bs
-                self.num_free_blocks -= revive
-            self._grant(seq, length, need, chunks)
+                avail -= revive
+            avail -= self._grant(seq, length, need, chunks)
             if hit:
                 fresh.append(chunks[-1])
             budget -= length
-        return SchedulerOutput(chunks=chunks, preempted=preempted, fresh=fresh, admitted=admitted)
 
-    def started_from_cache(self, chunks: list[ScheduledChunk], num_free: int) -> None:
-        """The device has started the ``fresh`` sequences from the prefix cache and reports
-        ``num_free`` free blocks: the free count becomes that, less the step's grants."""
-        self.num_free_blocks = num_free - sum(c.need for c in chunks)
+        plan = SchedulerOutput(
+            chunks=chunks,
+            preempted=preempted,
+            free_slots=free_slots,
+            forks=self._forks,
+            preempted_slots=self._to_free,
+            fresh=fresh,
+            row_inits=[s for s in self.running if s.needs_row_init],
+            admitted=admitted,
+            running=list(self.running),
+        )
+        self._to_free, self._forks = [], []
+        if plan.loopable and not self.waiting and max_decode_steps > 1:
+            seqs = [c.seq for c in chunks]
+            plan.decode_steps = self.decode_horizon(seqs, max_decode_steps, max_model_len, avail)
+        plan.lookups = self._lookup_candidates()
+        return plan
 
-    def _grant(self, seq: Sequence, length: int, need: int, chunks: list) -> None:
+    def idle_plan(self) -> SchedulerOutput | None:
+        """With nothing running, what the device must do before a step can be planned: look
+        up the waiting prompts that could hit the prefix cache (arrivals since the last
+        lookup) and, once nothing is left at all, free the slots of what finished (an idle
+        engine holds no blocks). None when there is nothing to do."""
+        if self.running:
+            return None
+        lookups = self._lookup_candidates()
+        if all(q.looked_up for q in lookups):
+            lookups = []
+        if not lookups and (self.waiting or not self._to_free):
+            return None
+        plan = SchedulerOutput(chunks=[], preempted=[], free_slots=self._to_free, lookups=lookups)
+        self._to_free = []
+        return plan
+
+    def _could_hit(self, q: Sequence) -> bool:
+        """Whether a lookup could find cached blocks for ``q``'s prompt. Cached positions have
+        no logits, so prompt_logprobs requests compute their whole prompt."""
+        heads, bs = self.cached_heads, self.block_size
+        return (
+            self.caching
+            and q.num_computed == 0
+            and q.params.prompt_logprobs is None
+            and q.num_tokens > bs
+            and (heads is None or tuple(q.all_token_ids[:bs]) in heads)
+        )
+
+    def _lookup_candidates(self) -> list[Sequence]:
+        """The waiting sequences that may be admitted next and could hit the prefix cache."""
+        room = min(len(self.free_slots), self.max_num_seqs - len(self.running))
+        return [q for q in itertools.islice(self.waiting, max(0, room)) if self._could_hit(q)]
+
+    def _grant(self, seq: Sequence, length: int, need: int, chunks: list) -> int:
         chunks.append(ScheduledChunk(seq=seq, start=seq.num_computed, length=length, need=need))
         seq.num_blocks += need - int(seq.cow_pending and seq.num_computed % self.block_size != 0)
         seq.cow_pending = False
-        self.num_free_blocks -= need
+        return need
+
+    def _fork_ready(self) -> None:
+        """Forks the siblings of n > 1 leaders that have prefilled all but the last prompt
+        token. Siblings that find no free slot prefill on their own later (their prompt's full
+        blocks are then found in the prefix cache)."""
+        for rid, req in list(self.fork_waiting.items()):
+            leader = req.seqs[0]
+            if leader.status is not SequenceStatus.RUNNING:
+                continue
+            if leader.num_computed < leader.prefill_cap:
+                continue
+            for child in req.pending_forks:
+                if self.fork(leader, child):
+                    self._forks.append((leader.slot, child.slot))
+                else:
+                    self.add(child)
+            req.pending_forks = []
+            leader.prefill_cap = None
+            del self.fork_waiting[rid]
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Starts ``child`` as a running copy of ``parent`` sharing all its blocks, if a slot is
@@ -347,51 +503,61 @@ class Scheduler:
         self.running.append(child)
         return True
 
-    def update_from_mixed(self, chunks: list[ScheduledChunk], ok, num_free: int) -> list[int]:
-        """The device ran the ``chunks`` whose ``ok`` is set and reports ``num_free`` free
-        blocks. A refused chunk (blocks shared with others freed fewer than estimated) ran
-        nothing: its sequence is preempted and recomputes later. Returns the slots to free."""
-        self.num_free_blocks = num_free
-        for r, c in enumerate(chunks):
-            if ok[r]:
-                c.seq.num_computed += c.length
-            else:
-                self.preempt(c.seq)
-        return self.drain_preempted_slots()
+    def update(self, plan: SchedulerOutput, result) -> None:
+        """Applies what the device reported for ``plan`` (a `ModelRunner.execute` result): the
+        free-block count, the tokens each chunk computed (a refused chunk ran nothing: its
+        sequence is preempted and recomputes later; a decode loop made ``result.made[r]``
+        tokens of row ``r``, reserving exactly those), the first blocks now cached, and the
+        lookup's hints for the next step."""
+        self.num_free_blocks = result.num_free
+        for s in plan.row_inits:
+            s.needs_row_init = False
+        for r, c in enumerate(plan.chunks):
+            s = c.seq
+            if not result.ok[r]:
+                self.preempt(s)
+                continue
+            s.num_computed += int(result.made[r]) if plan.decode_steps else c.length
+            if plan.decode_steps:
+                s.num_blocks = blocks_for(s.num_computed, self.block_size)
+            self._filled(s, c.start)
+        for q in self._hinted:  # a lookup holds for the next step only
+            q.looked_up, q.prefix_hit, q.prefix_revive = False, 0, 0
+        self._hinted = []
+        if result.hits is not None:
+            for i, (q, (hit, revive)) in enumerate(zip(plan.lookups, result.hits, strict=True)):
+                q.looked_up, q.prefix_hit, q.prefix_revive, q.prefix_row = True, hit, revive, i
+            self._hinted = list(plan.lookups)
 
-    def update_from_decode(self, seqs: list[Sequence], made, num_free: int) -> None:
-        """A decode loop computed ``made[r]`` tokens of ``seqs[r]`` (the device reserved exactly
-        those; the plan had granted one step) and reports ``num_free`` free blocks, which
-        already count the blocks they took: only the table sizes move."""
-        self.num_free_blocks = num_free
-        for s, m in zip(seqs, made, strict=True):
-            s.num_computed += int(m)
-            s.num_blocks = blocks_for(s.num_computed, self.block_size)
+    def _filled(self, seq: Sequence, start: int) -> None:
+        """Notes that ``seq`` computed from ``start`` to ``num_computed``: the device cached
+        its first block if that step filled it."""
+        bs, heads = self.block_size, self.cached_heads
+        if self.caching and heads is not None and start < bs <= seq.num_computed:
+            heads.add(tuple(seq.all_token_ids[:bs]))
+            if len(heads) > self.max_cached_heads:
+                self.cached_heads = None
 
-    def decode_horizon(self, seqs: list[Sequence], max_steps: int, max_model_len: int) -> int:
+    def decode_horizon(
+        self, seqs: list[Sequence], max_steps: int, max_model_len: int | None, free=None
+    ) -> int:
         """Largest k <= max_steps such that every sequence can decode its next min(k, what it
-        has left) tokens with the free blocks (used to size a multi-step decode call), and no
+        has left) tokens with the ``free`` blocks (default: the last reported count), and no
         more than the most any of them has left to make (max_tokens, max_model_len).
 
         A sequence stops inside the call once it has made what it has left, so it is counted
         for no more: counting k tokens for every row would make a pool that holds the whole
-        batch at full length (and no more) cut the calls short near the end (32, 15, 8, 4
-        steps instead of 32 throughout)."""
-        left = [
-            min(s.max_tokens - len(s.output_token_ids), max_model_len - s.num_tokens) for s in seqs
-        ]
+        batch at full length (and no more) cut the calls short near its end."""
+        free = self.num_free_blocks if free is None else free
+        limit = max_model_len or 1 << 62
+        left = [min(s.max_tokens - len(s.output_token_ids), limit - s.num_tokens) for s in seqs]
 
         def fits(k: int) -> bool:
             need = sum(self._need(s, max(0, min(k, r))) for s, r in zip(seqs, left, strict=True))
-            return need <= self.num_free_blocks
+            return need <= free
 
         lo, hi = 1, max(1, min(max_steps, max(left)))
         while lo < hi:  # the need grows with k: the largest k that fits, by bisection
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
-
-    def drain_preempted_slots(self) -> list[int]:
-        """Slots of sequences preempted since the last call: the device must free them."""
-        out, self._preempted_slots = self._preempted_slots, []
-        return out

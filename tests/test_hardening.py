@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import hf_greedy
 
 from jax_paged import LLM, BeamSearchParams, SamplingParams
 from jax_paged import block_manager as bm
@@ -122,7 +123,7 @@ def _inject_fault(monkeypatch, engine, kind: str, nth: int):
     return seen
 
 
-@pytest.mark.parametrize(("kind", "nth"), [("mixed", 1), ("mixed", 3), ("decode", 1), ("admit", 2)])
+@pytest.mark.parametrize(("kind", "nth"), [("mixed", 1), ("mixed", 2), ("mixed", 3), ("decode", 1)])
 def test_failing_device_step_fails_only_its_requests(llm, reference, monkeypatch, kind, nth):
     prompts, sp, ref = reference
     engine = llm.engine
@@ -194,8 +195,9 @@ def test_limit_on_n_and_beam_width_and_the_rejection_counter(llm):
 
 
 def test_device_calls_per_step(tiny_llama):
-    """Admitting 16 requests that hit the prefix cache costs a fixed number of device calls
-    (one lookup for all, not one each); a steady decode phase makes one call per step."""
+    """Admitting 16 requests that hit the prefix cache into an idle engine costs two calls
+    (one lookup for all, then the step that takes the hits); a steady decode phase makes one
+    call per step."""
     path, _ = tiny_llama
     llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_seqs=16, max_decode_steps=4)
     engine = llm.engine
@@ -212,12 +214,78 @@ def test_device_calls_per_step(tiny_llama):
         calls.append(after["num_device_calls"] - before["num_device_calls"])
         if len(calls) == 1:
             assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 16 * 40
-    # The admission step: prepare (free + one lookup for all 16), set the rows, the step.
-    assert calls[0] == 3
-    # Then decode only, 4 tokens per call, one call a step (the last adds the final free).
+    assert calls[0] == 2
+    # Then decode only, 4 tokens per call, one call a step (the last adds the idle free).
     assert calls[1:-1] == [1] * (len(calls) - 2) and len(calls) >= 3
     assert calls[-1] == 2
     assert engine.get_metrics()["device_calls_per_step"] > 0
+
+
+def test_one_device_call_per_step_while_requests_arrive(tiny_llama):
+    """A busy engine makes one device call per step while a request arrives every step
+    (through `add_request`, as a server adds them): frees, forks of n > 1 requests,
+    prefix-cache hits and the lookups that find them all ride in the step's own program."""
+    path, model = tiny_llama
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_seqs=16, max_decode_steps=4)
+    engine = llm.engine
+    rng = np.random.default_rng(3)
+    shared = _prompts(1, seed=8, lo=24, hi=25)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate(_ids(shared + [3]), greedy)  # caches the shared prefix's blocks
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("long", _ids(_prompts(1, seed=9)[0]), long)
+    engine.step()
+    hits0 = engine.get_metrics()["prefix_cache_hits"]
+    calls, expected = [], {}
+    for i in range(40):
+        kind = i % 3
+        if kind == 0:  # a prompt that hits the cached prefix
+            prompt = shared + [int(t) for t in rng.integers(3, VOCAB, size=3)]
+            sp = greedy
+        elif kind == 1:  # n = 2: one prefill, then a fork
+            prompt, sp = (
+                _prompts(1, seed=100 + i, lo=6, hi=12)[0],
+                SamplingParams(temperature=0.0, n=2, max_tokens=5, ignore_eos=True),
+            )
+        else:
+            prompt, sp = _prompts(1, seed=200 + i)[0], greedy
+        engine.add_request(f"a{i}", _ids(prompt), sp)
+        expected[f"a{i}"] = (prompt, sp)
+        before = engine.get_metrics()["num_device_calls"]
+        for out in engine.step():
+            if out.finished and out.request_id in expected:
+                p, q = expected.pop(out.request_id)
+                assert len(out.outputs) == q.n
+                assert [len(c.token_ids) for c in out.outputs] == [q.max_tokens] * q.n
+                if q.n == 1:
+                    assert out.outputs[0].token_ids == hf_greedy(model, p, q.max_tokens)
+        calls.append(engine.get_metrics()["num_device_calls"] - before)
+    assert calls == [1] * len(calls)
+    assert engine.get_metrics()["prefix_cache_hits"] - hits0 >= 10 * 24
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_clean(llm)
+
+
+def test_host_to_device_bytes_of_a_decode_step_do_not_grow_with_max_model_len(tiny_llama):
+    """A steady decode step ships the step's differences, not tables sized by the model
+    length: the same bytes at max_model_len 64 and 1024."""
+    path, _ = tiny_llama
+    sent = []
+    for max_len in (64, 1024):
+        llm = LLM(str(path), num_kv_blocks=64, block_size=4, max_num_seqs=4, max_model_len=max_len)
+        engine = llm.engine
+        sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        engine.add_request("r", _ids([5, 6, 7, 8, 9]), sp)
+        engine.step()  # the prefill
+        before = engine.get_metrics()
+        engine.step()  # a decode loop
+        after = engine.get_metrics()
+        assert after["num_steps"] - before["num_steps"] == 1
+        sent.append(after["host_to_device_bytes"] - before["host_to_device_bytes"])
+        assert after["host_to_device_bytes_per_step"] > 0
+        llm.engine.abort("r")
+    assert sent[0] == sent[1] and sent[0] < 4096
 
 
 def test_cached_heads_filter_is_bounded(tiny_llama):
@@ -225,11 +293,11 @@ def test_cached_heads_filter_is_bounded(tiny_llama):
     dropped and every waiting prompt is looked up, hits still found."""
     path, _ = tiny_llama
     llm = LLM(str(path), num_kv_blocks=64, block_size=4, max_num_seqs=4)
-    llm.engine.ops.max_cached_heads = 3
+    llm.engine.scheduler.max_cached_heads = 3
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     prompts = _prompts(5, seed=11, lo=10, hi=11)
     llm.generate([_ids(p) for p in prompts], sp)
-    assert llm.engine.ops.cached_heads is None
+    assert llm.engine.scheduler.cached_heads is None
     out = llm.generate(_ids(prompts[0] + [9, 9]), sp)[0]
     assert out.num_cached_tokens == 8
     _assert_clean(llm)

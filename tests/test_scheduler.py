@@ -1,21 +1,35 @@
 """Host-side scheduler: budgets, FCFS admission, chunked prefill and preemption."""
 
 import random
+from types import SimpleNamespace
 
+from jax_paged.sampling_params import SamplingParams
 from jax_paged.scheduler import Scheduler, Sequence, SequenceStatus, blocks_for
 
 
 def _seq(i, prompt_len, max_tokens=4):
     return Sequence(
-        seq_id=i, request_id=str(i), prompt_token_ids=[1] * prompt_len, max_tokens=max_tokens
+        seq_id=i,
+        request_id=str(i),
+        prompt_token_ids=[1] * prompt_len,
+        max_tokens=max_tokens,
+        params=SamplingParams(),
     )
 
 
 def _run_step(sched, out, sample_token=7):
-    """Applies a step as the engine would: advance num_computed, append sampled tokens."""
+    """Applies a step as the engine would: the device's report (every chunk ran; the free
+    count is what the running sequences leave), then the sampled tokens and the finishes."""
+    held = sum(sched.held_blocks(s) for s in sched.running)
+    n = len(out.chunks)
+    made = [int(c.samples) for c in out.chunks]
+    report = SimpleNamespace(ok=[True] * n, made=made, num_free=sched.num_blocks - held, hits=None)
+    sched.update(out, report)
+    assert (
+        sum(sched.held_blocks(s) for s in sched.running) + sched.num_free_blocks == sched.num_blocks
+    )
     finished = []
     for c in out.chunks:
-        c.seq.num_computed += c.length
         if c.samples:
             c.seq.output_token_ids.append(sample_token)
             if len(c.seq.output_token_ids) >= c.seq.max_tokens:
@@ -23,6 +37,13 @@ def _run_step(sched, out, sample_token=7):
     for s in finished:
         sched.finish(s)
     return finished
+
+
+def _idle(sched):
+    """The idle engine's call: frees what finished; the device reports a whole free pool."""
+    plan = sched.idle_plan()
+    assert plan is not None and plan.free_slots
+    sched.update(plan, SimpleNamespace(ok=[], made=[], num_free=sched.num_blocks, hits=None))
 
 
 def test_budget_and_chunked_prefill():
@@ -34,8 +55,9 @@ def test_budget_and_chunked_prefill():
     # a takes 6 tokens, b gets the 2 left of the budget (a chunk).
     assert [(c.seq.seq_id, c.start, c.length) for c in out.chunks] == [(0, 0, 6), (1, 0, 2)]
     assert out.chunks[0].samples and not out.chunks[1].samples
-    assert sched.num_free_blocks == 100 - 2 - 1
+    assert sched.num_free_blocks == 100  # changed only by what the device reports
     _run_step(sched, out)
+    assert sched.num_free_blocks == 100 - 2 - 1
     out = sched.schedule()
     # a decodes one token; b continues its prefill with the rest of the budget.
     assert [(c.seq.seq_id, c.start, c.length) for c in out.chunks] == [(0, 6, 1), (1, 2, 7)]
@@ -90,13 +112,14 @@ def test_random_workload_loses_nothing():
             assert out.num_tokens <= sched.max_num_batched_tokens
             assert len(sched.running) <= sched.max_num_seqs
             assert sched.num_free_blocks >= 0
-            held = sum(s.num_blocks for s in sched.running)
-            assert held + sched.num_free_blocks == nb
             done += _run_step(sched, out)
         assert not sched.has_unfinished(), f"trial {trial} did not finish"
         assert sorted(s.seq_id for s in done) == [s.seq_id for s in seqs]
         assert all(len(s.output_token_ids) == s.max_tokens for s in done)
-        assert sched.num_free_blocks == nb
+        _idle(sched)
+        assert sched.num_free_blocks == nb and sorted(sched.free_slots) == list(
+            range(sched.max_num_seqs)
+        )
 
 
 def test_decode_horizon_counts_each_row_for_what_it_has_left():
