@@ -5,11 +5,11 @@ llm = LLM()                         # embedded SmolLM2-135M-Instruct
 out = llm.generate("Hello", SamplingParams(max_tokens=16))
 """
 
-from jax_paged.beam_search import BeamSearchOutput, BeamSearchSequence
-from jax_paged.engine import EngineConfig, LLMEngine
-from jax_paged.llm import LLM
-from jax_paged.outputs import CompletionOutput, Logprob, RequestOutput
-from jax_paged.sampling_params import BeamSearchParams, SamplingParams
+from jax_paged.engine.llm_engine import EngineConfig, LLMEngine
+from jax_paged.entrypoints.beam_search import BeamSearchOutput, BeamSearchSequence
+from jax_paged.entrypoints.llm import LLM
+from jax_paged.entrypoints.outputs import CompletionOutput, Logprob, RequestOutput
+from jax_paged.entrypoints.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = [
     "LLM",

@@ -9,7 +9,6 @@ Your own NNX module runs in the engine when it satisfies `models.PagedModel` (`c
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.gemma import Gemma3
-from models.generate import greedy_generate, make_contiguous_cache_attention
 from models.llama import (
     AttentionFn,
     Transformer,
@@ -49,9 +48,7 @@ __all__ = [
     "check_model",
     "default_model_path",
     "dense_attention",
-    "greedy_generate",
     "load",
-    "make_contiguous_cache_attention",
     "make_dense_attention",
     "save_checkpoint",
     "wrap_model",

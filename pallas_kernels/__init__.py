@@ -1,7 +1,7 @@
 """Paged-attention kernels: a plain-jnp reference, an XLA path and Pallas GPU/TPU kernels.
 
 `paged_attention` is the entry point (it picks the kernel by platform). The K/V write is
-`jax_paged.kv_cache.write`. The Pallas kernel modules are imported only when used: the GPU
+`jax_paged.memory.kv_cache.write`. The Pallas kernel modules are imported only when used: the GPU
 kernels' names below resolve on first access (the Triton one through
 `pallas_kernels.ops.load_triton_kernel`, which filters jax's deprecation warning for that
 backend), the TPU kernel through `paged_attention`.

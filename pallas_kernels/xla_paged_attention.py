@@ -30,7 +30,7 @@ Masked logits become -inf. A page that no row of a block sees (the null block, t
 past a sequence's end or wholly before its window) is read from a page the sequence owns
 instead, so garbage there, even NaN, never reaches the output through ``0 * NaN``. The unused
 slots of an owned page must be finite: the engine's are (the pool starts at zero and
-`jax_paged.kv_cache.scatter` stores non-finite K/V as 0). Rows that see no key give 0.
+`jax_paged.memory.kv_cache.scatter` stores non-finite K/V as 0). Rows that see no key give 0.
 """
 
 from __future__ import annotations

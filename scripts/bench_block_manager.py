@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from bench_support import run_metadata
 
-from jax_paged import block_manager as bm
+from jax_paged.memory import block_manager as bm
 
 BS = 16
 P = 64

@@ -26,7 +26,7 @@ that every system generates exactly B x max_tokens tokens. Per batch size:
    large enough to keep them, and HF recomputes every prompt).
    ``pool_steps`` (``--pool-rounds``, default 9; 0 skips it): the same question asked of the
    decode step alone, where the machine's drift cannot hide or fake it. One
-   `jax_paged.research.PagedDecoder` per pool (same block count as that pool's `LLM`) holds
+   `research.PagedDecoder` per pool (same block count as that pool's `LLM`) holds
    the prefilled batch; each round runs ``--pool-round-steps`` (8) greedy decode steps at every
    pool in a rotated order, so all pools see the same contexts round by round: median step
    seconds per pool, ``spread`` (goal < 5%) and ``paired_spread`` (within rounds). The dense
@@ -46,7 +46,7 @@ that every system generates exactly B x max_tokens tokens. Per batch size:
    in decode loops over the time inside them, ``paged_decode_tokens_per_s``) / that (goal >=
    0.9 at B = 64). The bound reads no KV cache at all, so at any real context the decode step
    must also pay for reading the K/V; ``contiguous_decode`` times the same model decoding with
-   a plain contiguous cache in JAX (`models.greedy_generate`, ``[L, B, S, KVH, D]`` buffers),
+   a plain contiguous cache in JAX (`dense.greedy_generate`, ``[L, B, S, KVH, D]`` buffers),
    the cost a paged cache should match: ``decode_share_of_contiguous``.
 3. ``hf``: HF transformers ``generate`` (torch on the CPU, fp32, torch's default thread count
    unless ``--torch-threads``) on the same ids, static batches of B, left padding with an
@@ -97,12 +97,17 @@ os.environ.setdefault("JAX_PAGED_CACHE_DIR", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_support import add_output_arg, emit, run_metadata  # noqa: E402
+from bench_support import (  # noqa: E402
+    add_output_arg,
+    dense,  # noqa: E402
+    emit,
+    run_metadata,
+)
 from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
-from jax_paged.config import KV_CACHE_DTYPES  # noqa: E402
+from jax_paged.engine.config import KV_CACHE_DTYPES  # noqa: E402
 from models.llama import prepare_layer_weights  # noqa: E402
 
 DEFAULTS = dict(
@@ -342,7 +347,7 @@ def kv_bytes_per_step(config, contexts: np.ndarray, itemsize: int) -> float:
 def contiguous_decode(model, prompts: list[list[int]], max_tokens: int) -> dict:
     """Per-step time of the same model decoding with a plain contiguous KV cache in JAX.
 
-    `models.greedy_generate` (one jitted step per token over ``[L, B, S, KVH, D]`` buffers, what
+    `dense.greedy_generate` (one jitted step per token over ``[L, B, S, KVH, D]`` buffers, what
     a paged cache is measured against): the time of a ``max_tokens`` run minus a one-token run
     (the prefill), over ``max_tokens - 1`` steps, best of 3 after a warm-up.
     """
@@ -351,7 +356,7 @@ def contiguous_decode(model, prompts: list[list[int]], max_tokens: int) -> dict:
 
     def timed(n):
         t0 = time.perf_counter()
-        models.greedy_generate(model, prompts, n)
+        dense.greedy_generate(model, prompts, n)
         return time.perf_counter() - t0
 
     timed(1), timed(max_tokens)  # compile both shapes
@@ -387,7 +392,7 @@ def pool_step_times(
 
     A whole ``generate`` per pool takes tens of seconds on a CPU, and the machine's speed drifts
     by more than the 5% the pools must agree within over that time. Here each pool gets its
-    own `jax_paged.research.PagedDecoder` (the engine's `runner.decode_step`) of ``num_blocks``
+    own `research.PagedDecoder` (the engine's `programs.decode_step`) of ``num_blocks``
     blocks (raised to what the batch needs) holding the same prefilled batch; then each of
     ``rounds`` rounds runs ``steps`` greedy decode steps (one jitted ``lax.scan``, state
     donated) at every pool in turn, in a rotated order, each pool going on from where it
@@ -408,7 +413,7 @@ def pool_step_times(
     """
     from jax import lax
 
-    from jax_paged.research import PagedDecoder
+    from jax_paged.entrypoints.research import PagedDecoder
 
     b, lmax = len(prompts), max(len(p) for p in prompts)
     max_len = lmax + steps * (rounds + 1) + 2

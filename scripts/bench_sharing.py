@@ -11,7 +11,7 @@ Three sections, all in one process:
    6) on ShareGPT-like and Alpaca-like synthetic workloads. Prompt and output lengths are drawn
    from log-normals whose means match the data sets (ShareGPT 161.31 in / 337.99 out, Alpaca
    19.31 / 58.45, after vLLM's filters: a side under 4 tokens, prompts over 1024, totals over
-   2048 are redrawn; `jax_paged.workloads`), all lengths and the block size multiplied by
+   2048 are redrawn; `bench_support.workloads`), all lengths and the block size multiplied by
    ``--scale`` so that a CPU finishes (the block size scales too, so a prompt spans as many
    blocks as at full size). Prompts are random token ids, ``ignore_eos=True``, ``max_tokens`` =
    the drawn output length. Parallel sampling runs on an engine with prefix caching off (the
@@ -69,10 +69,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_support import add_output_arg, emit, run_metadata  # noqa: E402
+from bench_support.workloads import WORKLOADS, draw_lengths, random_prompts  # noqa: E402
 
 import models  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
-from jax_paged.workloads import WORKLOADS, draw_lengths, random_prompts  # noqa: E402
 
 # Memory saved by sharing, OPT-13B [vLLM paper, Figure 15], in percent. ShareGPT is given as the
 # range over n = 2..6 (widths 2..6).
@@ -325,7 +325,7 @@ def bench_sharing(loaded, args, rng) -> dict:
                     else "no beam widths",
                 )
                 continue
-            from jax_paged.sampling_params import BeamSearchParams
+            from jax_paged.entrypoints.sampling_params import BeamSearchParams
 
             prompts = random_prompts(rng, p_lens, vocab)
             mt = max(1, round(statistics.mean(o_lens)))

@@ -43,7 +43,7 @@ from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
-from jax_paged.block_manager import window_dead_blocks  # noqa: E402
+from jax_paged.memory.block_manager import window_dead_blocks  # noqa: E402
 
 # name: (layers, windowed layers, window, KV heads, head dim) from the models' configs.
 REAL_MODELS = {

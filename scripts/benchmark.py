@@ -11,7 +11,7 @@ Systems, all in one process, on the same weights and the same token ids:
 
 - ``paged``: `jax_paged.LLMEngine` (paged KV cache, continuous batching, multi-step decode,
   prefix caching), driven through ``add_request`` / ``step``;
-- ``contiguous``: `jax_paged.contiguous.ContiguousEngine`, the same model code with a
+- ``contiguous``: `bench_support.contiguous.ContiguousEngine`, the same model code with a
   contiguous cache: each running sequence reserves ``max_model_len`` slots, static batches that
   wait for their longest member, no paging, no sharing (the paper's Orca / FasterTransformer
   baseline);
@@ -72,16 +72,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_support import emit, run_metadata  # noqa: E402
-
-import models  # noqa: E402
-from jax_paged import LLM, SamplingParams  # noqa: E402
-from jax_paged.contiguous import ContiguousEngine, kv_bytes_per_token  # noqa: E402
-from jax_paged.workloads import (  # noqa: E402
+from bench_support.contiguous import ContiguousEngine, kv_bytes_per_token  # noqa: E402
+from bench_support.workloads import (  # noqa: E402
     filter_bounds,
     make_workload,
     poisson_arrivals,
     with_new_ids,
 )
+
+import models  # noqa: E402
+from jax_paged import LLM, SamplingParams  # noqa: E402
 
 SYSTEMS = ("paged", "contiguous", "hf")
 TARGETS = dict(paged_kv_utilisation=0.96, paged_over_contiguous=2.5, paged_over_hf=1.8)

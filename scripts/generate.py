@@ -44,8 +44,8 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jax_paged import LLM, SamplingParams  # noqa: E402
-from jax_paged.config import ATTENTION_IMPLS, KV_CACHE_DTYPES  # noqa: E402
-from jax_paged.outputs import describe_error  # noqa: E402
+from jax_paged.engine.config import ATTENTION_IMPLS, KV_CACHE_DTYPES  # noqa: E402
+from jax_paged.entrypoints.outputs import describe_error  # noqa: E402
 from models.loading import CHECKPOINT_MARKER  # noqa: E402
 
 DEFAULT_PROMPT = "What is the capital of France?"

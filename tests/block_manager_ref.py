@@ -1,4 +1,5 @@
-"""A plain-Python block manager (lists, dicts, loops): the oracle for `jax_paged.block_manager`.
+"""A plain-Python block manager (lists, dicts, loops): the oracle for
+`jax_paged.memory.block_manager`.
 
 It follows the documented policy one request and one block at a time, the way a host-side
 manager would, with none of the vectorised tricks (cumsums, scatters, first-occurrence

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import models
 from jax_paged import LLM, SamplingParams
-from jax_paged import block_manager as bm
+from jax_paged.memory import block_manager as bm
 
 MAX_LEN = 48
 BS = 4

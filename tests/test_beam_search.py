@@ -19,7 +19,7 @@ import pytest
 from conftest import oracle
 
 from jax_paged import LLM, SamplingParams
-from jax_paged.beam_search import (
+from jax_paged.entrypoints.beam_search import (
     BeamSearchOutput,
     BeamSearchSequence,
     _Beam,
@@ -27,7 +27,7 @@ from jax_paged.beam_search import (
     _make_output,
     _PromptState,
 )
-from jax_paged.sampling_params import BeamSearchParams
+from jax_paged.entrypoints.sampling_params import BeamSearchParams
 
 MAX_TOKENS = 10
 PROMPT_LENGTHS = (5, 9, 14, 21)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from block_manager_ref import block_keys
 
-from jax_paged import block_manager as bm
-from jax_paged import eviction
-from jax_paged import prefix_cache as pc
+from jax_paged.memory import block_manager as bm
+from jax_paged.memory import eviction
+from jax_paged.memory import prefix_cache as pc
 
 
 def _bt(state):

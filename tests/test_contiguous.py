@@ -1,4 +1,4 @@
-"""The contiguous-cache baseline engine (`jax_paged.contiguous`) against HF transformers' greedy
+"""The contiguous-cache baseline engine (`bench_support.contiguous`) against HF transformers' greedy
 decoding on a tiny random Llama, and its static-batch bookkeeping.
 
 The oracle is HF transformers (torch, CPU): these tests fail, not skip, when it is missing.
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bench_support.contiguous import ContiguousEngine, kv_bytes_per_token
 from conftest import hf_greedy
 
 import models
 from jax_paged import SamplingParams
-from jax_paged.contiguous import ContiguousEngine, kv_bytes_per_token
 
 VOCAB = 256
 

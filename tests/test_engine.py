@@ -12,7 +12,7 @@ import torch
 from conftest import hf_greedy
 
 from jax_paged import LLM, SamplingParams
-from jax_paged import block_manager as bm
+from jax_paged.memory import block_manager as bm
 
 VOCAB = 256
 
@@ -286,7 +286,7 @@ def test_research_scan_decode_matches_hf(tiny_llama, workload):
     import jax.numpy as jnp
 
     import models
-    from jax_paged.research import PagedDecoder
+    from jax_paged.entrypoints.research import PagedDecoder
 
     path, _ = tiny_llama
     prompts, _, _ = workload

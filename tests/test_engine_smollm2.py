@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jax_paged import LLM, SamplingParams
-from jax_paged import block_manager as bm
+from jax_paged.memory import block_manager as bm
 
 # SmolLM2-135M through the engine against HF's own SmolLM2: minutes on 2 cores.
 pytestmark = pytest.mark.slow

@@ -28,6 +28,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bench_support import dense
 from conftest import (
     TinySpec,
     build_tiny_hf_model,
@@ -248,7 +249,7 @@ def test_greedy_matches_hf(name, tiny):
     hf, _, lm = tiny(name)
     prompts = _prompts(seed=2)
     ref = [hf_greedy(hf, p, NEW_TOKENS, eos=False) for p in prompts]
-    assert models.greedy_generate(lm.model, prompts, NEW_TOKENS) == ref
+    assert dense.greedy_generate(lm.model, prompts, NEW_TOKENS) == ref
 
 
 def test_bfloat16(tiny):
@@ -332,7 +333,7 @@ def test_engine_greedy_matches_hf(name, tiny):
 @pytest.mark.parametrize("name", ["gemma3_gqa4", "gemma2_gqa2"])
 def test_paged_decoder_matches_hf(name, tiny):
     from jax_paged import SamplingParams
-    from jax_paged.research import PagedDecoder
+    from jax_paged.entrypoints.research import PagedDecoder
 
     hf, _, lm = tiny(name)
     prompts = _prompts(seed=4)

@@ -17,6 +17,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bench_support import dense
 from conftest import oracle
 
 import models
@@ -135,7 +136,7 @@ def test_greedy_and_logits_match_hf(ours, hf_model, text):
     torch, _ = oracle()
     ids = ours.tokenizer.encode(text)
     assert text != LONG or len(ids) > 512 + 20
-    gen = models.greedy_generate(ours.model, [ids], NEW_TOKENS)[0]
+    gen = dense.greedy_generate(ours.model, [ids], NEW_TOKENS)[0]
     inputs = ids + gen[:-1]  # the logits at the last NEW_TOKENS inputs predict gen
     t = len(inputs)
     with torch.no_grad():
@@ -159,7 +160,7 @@ def test_engine_matches_dense_greedy(ours):
     from jax_paged import LLM, SamplingParams
 
     prompts = [ours.tokenizer.encode(t) for t in (LONG, "The capital of France is", LONG[:300])]
-    ref = models.greedy_generate(ours.model, prompts, 16)
+    ref = dense.greedy_generate(ours.model, prompts, 16)
     llm = LLM(
         ours,
         num_kv_blocks=64,

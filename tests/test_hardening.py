@@ -8,7 +8,7 @@ import pytest
 from conftest import hf_greedy
 
 from jax_paged import LLM, BeamSearchParams, SamplingParams
-from jax_paged import block_manager as bm
+from jax_paged.memory import block_manager as bm
 
 VOCAB = 256
 

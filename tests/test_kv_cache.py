@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_paged import block_manager as bm
-from jax_paged.kv_cache import (
+from jax_paged.memory import block_manager as bm
+from jax_paged.memory.kv_cache import (
     KVCache,
     bytes_per_block,
     copy_blocks,

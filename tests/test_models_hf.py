@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bench_support import dense
 from conftest import TINY_SPECS, build_tiny_hf_model, hf_logits, oracle, right_pad, write_tiny_gguf
 from flax import nnx
 
@@ -78,14 +79,14 @@ def test_greedy_matches_hf(name, tiny_hf, loaded):
     hf_model, _ = tiny_hf(name)
     lm = loaded(name)
     prompts = _prompts(lm.config.vocab_size, seed=2)
-    ours = models.greedy_generate(lm.model, prompts, NEW_TOKENS)
+    ours = dense.greedy_generate(lm.model, prompts, NEW_TOKENS)
     assert ours == _hf_greedy(hf_model, prompts, NEW_TOKENS)
 
 
 def test_greedy_prefill_runs_the_lm_head_on_the_last_column_only(loaded):
     """Left padding puts every row's last prompt token in one column, so the prefill program
     makes logits [B, 1, V], never [B, T, V] (4.8 GB at 256 SmolLM2 prompts of 96 tokens)."""
-    from models.generate import _forward_step
+    from bench_support.dense import _forward_step
 
     lm = loaded("llama_mha_tied_bias")  # V = 256, no other width of 256
     c = lm.config
@@ -256,7 +257,7 @@ def test_chunked_prefill_with_cache_attention(loaded):
 
     @nnx.jit
     def chunk(model, tokens, pos, kv):
-        attn = models.make_contiguous_cache_attention(model.config, pos)
+        attn = dense.make_contiguous_cache_attention(model.config, pos)
         return model.forward(tokens, pos, attn, kv)
 
     for lo, hi in ((0, 12), (12, 20)):
@@ -285,9 +286,9 @@ def test_dense_attention_window_by_hand():
 def test_greedy_stops_at_eos(loaded):
     lm = loaded("qwen2_tied")
     prompts = _prompts(256, seed=2)
-    full = models.greedy_generate(lm.model, prompts, NEW_TOKENS)
+    full = dense.greedy_generate(lm.model, prompts, NEW_TOKENS)
     eos = full[0][5]
-    out = models.greedy_generate(lm.model, prompts, NEW_TOKENS, eos_token_ids=[eos])
+    out = dense.greedy_generate(lm.model, prompts, NEW_TOKENS, eos_token_ids=[eos])
     assert out[0] == full[0][: full[0].index(eos) + 1]
     for o, f in zip(out, full, strict=True):
         assert o == (f[: f.index(eos) + 1] if eos in f else f)

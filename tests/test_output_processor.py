@@ -12,7 +12,7 @@ from conftest import make_tiny_llama
 
 import models
 from jax_paged import LLM, SamplingParams
-from jax_paged.output_processor import IncrementalDetokenizer
+from jax_paged.engine.output_processor import IncrementalDetokenizer
 
 
 def _byte_tokenizer() -> models.Tokenizer:

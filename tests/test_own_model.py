@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import models  # noqa: E402
 from examples.own_model import TinyGPT, TinyGPTConfig, dense_greedy  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
-from jax_paged.research import PagedDecoder  # noqa: E402
+from jax_paged.entrypoints.research import PagedDecoder  # noqa: E402
 
 MAX_TOKENS = 12
 LENS = (3, 9, 17, 5, 30)

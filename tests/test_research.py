@@ -12,8 +12,8 @@ import pytest
 
 import models
 from jax_paged import SamplingParams
-from jax_paged import block_manager as bm
-from jax_paged.research import PagedDecoder, RowStatus
+from jax_paged.entrypoints.research import PagedDecoder, RowStatus
+from jax_paged.memory import block_manager as bm
 
 B, MAX_LEN, BS, STEPS = 4, 32, 16, 8
 LMAX = MAX_LEN  # every test pads to this width, so each decoder compiles one prefill

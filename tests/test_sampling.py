@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_paged.logit_processing import compute_prompt_logprobs, process_logits
-from jax_paged.sampling import (
+from jax_paged.entrypoints.sampling_params import SamplingParams as SP
+from jax_paged.sampling.logit_processing import compute_prompt_logprobs, process_logits
+from jax_paged.sampling.sampler import (
     SamplingTensors,
     init_state,
     is_stop_token,
@@ -18,7 +19,6 @@ from jax_paged.sampling import (
     set_rows,
     update_counts,
 )
-from jax_paged.sampling_params import SamplingParams as SP
 
 sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs", "max_candidates"))
 process_jit = jax.jit(process_logits, static_argnames=("max_candidates",))
@@ -148,7 +148,7 @@ def test_reference_on_hand_computed_case():
 
 def test_bisection_cutoffs_equal_sorted_cutoffs():
     # The sort-free fallback against the sorted formulation, with -inf entries and ties.
-    from jax_paged.logit_processing import _bisect_cutoffs, _cutoffs
+    from jax_paged.sampling.logit_processing import _bisect_cutoffs, _cutoffs
 
     x = np.random.default_rng(2).normal(0, 2, (6, 300)).astype(np.float32)
     x[0, :100] = -np.inf

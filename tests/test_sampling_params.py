@@ -6,8 +6,13 @@ import math
 
 import pytest
 
-from jax_paged.outputs import CompletionOutput, Logprob, RequestOutput, make_logprobs_dict
-from jax_paged.sampling_params import BeamSearchParams, SamplingParams
+from jax_paged.entrypoints.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    make_logprobs_dict,
+)
+from jax_paged.entrypoints.sampling_params import BeamSearchParams, SamplingParams
 
 
 def test_defaults_match_vllm():

@@ -3,8 +3,8 @@
 import random
 from types import SimpleNamespace
 
-from jax_paged.sampling_params import SamplingParams
-from jax_paged.scheduler import Scheduler, Sequence, SequenceStatus, blocks_for
+from jax_paged.engine.scheduler import Scheduler, Sequence, SequenceStatus, blocks_for
+from jax_paged.entrypoints.sampling_params import SamplingParams
 
 
 def _seq(i, prompt_len, max_tokens=4):

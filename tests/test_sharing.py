@@ -11,7 +11,7 @@ import torch
 from conftest import hf_greedy
 
 from jax_paged import LLM, SamplingParams
-from jax_paged import block_manager as bm
+from jax_paged.memory import block_manager as bm
 
 BS = 4
 

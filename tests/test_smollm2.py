@@ -11,10 +11,9 @@ HF's side is computed once per test run: one batched f32 forward over each promp
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bench_support import dense
 from conftest import oracle, right_pad
 from flax import nnx
-
-import models
 
 NEW_TOKENS = 32
 PROMPTS = [
@@ -36,7 +35,7 @@ def run(smollm2, smollm2_hf_model):
     prompts = [tok.encode(p) for p in PROMPTS]
     prompts.append(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True))
     assert len(prompts) == 8
-    generated = models.greedy_generate(smollm2.model, prompts, NEW_TOKENS)
+    generated = dense.greedy_generate(smollm2.model, prompts, NEW_TOKENS)
     full = [p + g for p, g in zip(prompts, generated, strict=True)]
     tokens = right_pad(full, pad=0)
     ours = np.asarray(nnx.jit(lambda m, t: m(t))(smollm2.model, jnp.asarray(tokens)))

@@ -25,8 +25,8 @@ from jax.sharding import Mesh
 
 import models
 from jax_paged import LLM, SamplingParams
-from jax_paged import block_manager as bm
-from jax_paged.research import PagedDecoder
+from jax_paged.entrypoints.research import PagedDecoder
+from jax_paged.memory import block_manager as bm
 
 if os.environ.get("JAX_PAGED_REQUIRE_8_DEVICES") == "1":  # .ci/run: a skip would hide it
     assert jax.device_count() >= 8, "XLA_FLAGS=--xla_force_host_platform_device_count=8 unset"

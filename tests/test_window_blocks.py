@@ -15,8 +15,8 @@ import pytest
 from conftest import hf_greedy
 
 from jax_paged import LLM, SamplingParams
-from jax_paged import block_manager as bm
-from jax_paged.scheduler import max_blocks_held
+from jax_paged.engine.scheduler import max_blocks_held
+from jax_paged.memory import block_manager as bm
 
 WINDOW, BS, NEW = 8, 4, 200
 PROMPTS = [[5, 9, 14, 3, 7], list(range(20, 33)), list(range(40, 61))]  # 5, 13 and 21 tokens

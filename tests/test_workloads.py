@@ -1,12 +1,11 @@
-"""Synthetic workloads (`jax_paged.workloads`): means on target after vLLM's filters, the filters
-applied, seeds reproducible, vLLM's random shape and Poisson arrivals."""
+"""Synthetic workloads (`bench_support.workloads`): means on target after vLLM's filters, the
+filters applied, seeds reproducible, vLLM's random shape and Poisson arrivals."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from jax_paged import workloads as wl
+from bench_support import workloads as wl
 
 
 @pytest.mark.parametrize("name", ["sharegpt", "alpaca"])

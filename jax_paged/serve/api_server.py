@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jax_paged.outputs import RequestOutput
+from jax_paged.entrypoints.outputs import RequestOutput
 from jax_paged.serve.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from jax_paged.serve.metrics import ServerMetrics
 from jax_paged.serve.protocol import (

@@ -35,9 +35,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from jax_paged.llm import LLM
-from jax_paged.outputs import RequestOutput
-from jax_paged.sampling_params import SamplingParams
+from jax_paged.entrypoints.llm import LLM
+from jax_paged.entrypoints.outputs import RequestOutput
+from jax_paged.entrypoints.sampling_params import SamplingParams
 
 logger = logging.getLogger("jax_paged")
 

@@ -149,7 +149,7 @@ def _warm_up(llm) -> None:
     the prefill, mixed and decode programs to compile."""
     import asyncio
 
-    from jax_paged.sampling_params import SamplingParams
+    from jax_paged.entrypoints.sampling_params import SamplingParams
 
     async def run():
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jax_paged.sampling_params import SamplingParams
+from jax_paged.entrypoints.sampling_params import SamplingParams
 
 
 class _Body(BaseModel):

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 if TYPE_CHECKING:
-    from jax_paged.sampling import SamplingState, SamplingTensors
+    from jax_paged.sampling.sampler import SamplingState, SamplingTensors
 
 
 def scatter_rows(shape, ids: jax.Array, dtype, op: str) -> jax.Array:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
-    from jax_paged.block_manager import BlockManagerState
+    from jax_paged.memory.block_manager import BlockManagerState
 
 
 def hash_bucket(keys, table_size):

@@ -58,12 +58,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jax_paged import block_manager as bm
-from jax_paged import runner, sampling
-from jax_paged import sharding as shard
-from jax_paged.config import KV_CACHE_DTYPES
-from jax_paged.sampling_params import SamplingParams
-from jax_paged.scheduler import blocks_for
+from jax_paged.engine import programs
+from jax_paged.engine.config import KV_CACHE_DTYPES
+from jax_paged.engine.scheduler import blocks_for
+from jax_paged.entrypoints.sampling_params import SamplingParams
+from jax_paged.memory import block_manager as bm
+from jax_paged.parallel import sharding as shard
+from jax_paged.sampling import sampler as sampling
 from models.llama import prepare_layer_weights
 from models.protocol import check_model
 
@@ -128,7 +129,7 @@ class DecodeState:
       status: i32[B] a `RowStatus` per row (RUNNING exactly where ``active``).
     """
 
-    device: runner.DeviceState
+    device: programs.DeviceState
     last_tokens: jax.Array
     active: jax.Array
     tensors: sampling.SamplingTensors
@@ -150,7 +151,7 @@ class PagedDecoder:
       attention_impl: `pallas_kernels.paged_attention` implementation.
       kv_cache_dtype: "auto" (the model's), "float32", "bfloat16" or "float16": the KV pages'
         dtype (`jax_paged.EngineConfig.kv_cache_dtype`).
-      mesh: a `jax.sharding.Mesh` with a ``"tp"`` axis (`jax_paged.sharding.TP_AXIS`; other
+      mesh: a `jax.sharding.Mesh` with a ``"tp"`` axis (`jax_paged.parallel.sharding.TP_AXIS`; other
         axes replicate): ``params`` and the KV pages of `init` are split over it, heads and
         KV heads (replicated when fewer than the devices), and the steps run sharded.
     """
@@ -192,7 +193,7 @@ class PagedDecoder:
         self.num_blocks = num_blocks or max_seqs * self.max_blocks_per_seq + 1
         self.eos_token_ids = list(eos_token_ids)
         self.greedy_only = False  # set by `init`: every row greedy -> a smaller program
-        self.opts = runner.AttentionOptions(
+        self.opts = programs.AttentionOptions(
             scale=c.scale,
             sliding_window=c.sliding_window,
             soft_cap=getattr(c, "attn_logit_softcapping", None),
@@ -221,7 +222,7 @@ class PagedDecoder:
             num_blocks=self.num_blocks,
             dtype=self.kv_dtype,
         )
-        device = runner.DeviceState(
+        device = programs.DeviceState(
             kv=kv,
             blocks=bm.init_state(self.num_blocks, self.block_size, b, self.max_blocks_per_seq),
             sampling=sampling.init_state(b, c.vocab_size, track_tokens=track),
@@ -318,7 +319,7 @@ class PagedDecoder:
         token_row = jnp.full(t, -1, jnp.int32).at[dest].set(rows, mode="drop")
 
         slots = bm.token_slots(blocks, token_row, positions)
-        attn = runner.paged_attn(
+        attn = programs.paged_attn(
             self.opts, slots, blocks.block_tables, blocks.seq_lens, cu, jnp.int32(b)
         )
         last_idx = jnp.maximum(cu[1:] - 1, 0)
@@ -348,7 +349,7 @@ class PagedDecoder:
             sampling.reached_max_tokens(state.tensors, samp),
             lens + 1 >= self.max_len,
         )
-        device = runner.DeviceState(kv=kv, blocks=blocks, sampling=samp)
+        device = programs.DeviceState(kv=kv, blocks=blocks, sampling=samp)
         new = state.replace(
             device=device,
             last_tokens=jnp.maximum(first, 0),
@@ -367,7 +368,7 @@ class PagedDecoder:
         model = nnx.merge(self.graphdef, params)
         b = self.max_seqs
         rows = jnp.arange(b, dtype=jnp.int32)
-        device, out, ok = runner.decode_step(
+        device, out, ok = programs.decode_step(
             model,
             state.device,
             state.last_tokens,

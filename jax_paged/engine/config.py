@@ -8,7 +8,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_paged import kv_cache as kvc
+from jax_paged.memory import kv_cache as kvc
 from pallas_kernels import IMPLS
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -43,11 +43,11 @@ class EngineConfig:
       max_n: the most sequences one request may ask for (``SamplingParams.n``, and the beam
         width of `LLM.beam_search`); larger requests are rejected.
       tensor_parallel_size: devices the model and its KV cache are split over
-        (`jax_paged.sharding`: attention heads, MLP width and KV heads); the pool sizes
+        (`jax_paged.parallel.sharding`: attention heads, MLP width and KV heads); the pool sizes
         (``kv_cache_memory_bytes``, ``gpu_memory_utilization``) are then per device.
       data_parallel_size: independent engine replicas, each on its own
         ``tensor_parallel_size`` devices, requests spread over them
-        (`jax_paged.data_parallel.DataParallelEngine`); ``LLM`` builds them.
+        (`jax_paged.parallel.data_parallel.DataParallelEngine`); ``LLM`` builds them.
     """
 
     block_size: int = 16

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_paged.sampling_params import SamplingParams
-from jax_paged.scheduler import max_blocks_held
+from jax_paged.engine.scheduler import max_blocks_held
+from jax_paged.entrypoints.sampling_params import SamplingParams
 
 
 def parse_prompt(prompt, tokenizer) -> tuple[str | None, list[int]]:

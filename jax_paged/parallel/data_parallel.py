@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from jax_paged.config import EngineConfig
-from jax_paged.engine import LLMEngine
-from jax_paged.outputs import RequestOutput
+from jax_paged.engine.config import EngineConfig
+from jax_paged.engine.llm_engine import LLMEngine
+from jax_paged.entrypoints.outputs import RequestOutput
 
 # Gauges averaged over the replicas; other numbers are summed (counts, tokens, seconds).
 _MEAN_KEYS = ("usage", "rate", "saving", "share", "per_step")

@@ -14,11 +14,11 @@ from typing import Any
 import jax.numpy as jnp
 
 import models
-from jax_paged import beam_search as beam_search_lib
-from jax_paged.data_parallel import DataParallelEngine
-from jax_paged.engine import EngineConfig, LLMEngine
-from jax_paged.outputs import RequestOutput, describe_error
-from jax_paged.sampling_params import BeamSearchParams, SamplingParams
+from jax_paged.engine.llm_engine import EngineConfig, LLMEngine
+from jax_paged.entrypoints import beam_search as beam_search_lib
+from jax_paged.entrypoints.outputs import RequestOutput, describe_error
+from jax_paged.entrypoints.sampling_params import BeamSearchParams, SamplingParams
+from jax_paged.parallel.data_parallel import DataParallelEngine
 
 logger = logging.getLogger("jax_paged")
 
@@ -37,7 +37,7 @@ class LLM:
         kv_cache_memory_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
         max_num_batched_tokens, max_decode_steps, seed, attention_impl,
         tensor_parallel_size (devices the model is split over), data_parallel_size (engine
-        replicas on their own devices, `jax_paged.data_parallel`).
+        replicas on their own devices, `jax_paged.parallel.data_parallel`).
     """
 
     def __init__(self, model: Any = None, *, dtype: str = "float32", **engine_kwargs):
@@ -203,7 +203,7 @@ class LLM:
         """Beam search for each prompt (str, ``{"prompt": ...}`` or ``{"prompt_token_ids":
         [...]}``); returns one `BeamSearchOutput` per prompt, in input order, its sequences best
         first. Scores match HF transformers' ``generate(num_beams=...)``; see
-        `jax_paged.beam_search`."""
+        `jax_paged.entrypoints.beam_search`."""
         return beam_search_lib.beam_search(
             self.engine, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit
         )

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_paged.block_manager import NULL_BLOCK, BlockManagerState, first_occurrence
-from jax_paged.eviction import hash_bucket
+from jax_paged.memory.block_manager import NULL_BLOCK, BlockManagerState, first_occurrence
+from jax_paged.memory.eviction import hash_bucket
 
 _MIX_A = 0x85EBCA6B
 _MIX_B = 0xC2B2AE35

@@ -23,15 +23,15 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from jax_paged.outputs import (
+from jax_paged.engine.scheduler import Sequence, SequenceStatus
+from jax_paged.entrypoints.outputs import (
     CompletionOutput,
     LogprobsDict,
     RequestMetrics,
     RequestOutput,
     make_logprobs_dict,
 )
-from jax_paged.sampling_params import SamplingParams
-from jax_paged.scheduler import Sequence, SequenceStatus
+from jax_paged.entrypoints.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:

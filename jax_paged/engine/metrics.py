@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any
 
-from jax_paged.scheduler import blocks_for
+from jax_paged.engine.scheduler import blocks_for
 
 logger = logging.getLogger("jax_paged")
 

@@ -6,9 +6,9 @@ Every call is one compiled program with the device state donated (updated in pla
 copied). Programs are compiled on first use per bucket key and kept; shapes are bucketed so a
 long run compiles a handful of variants (`get_metrics()["compiled_variants"]`):
 
-* ``mixed``: prefill chunks and decodes in one ragged batch (`runner.mixed_step`);
-* ``decode``: many decode steps on the device (`runner.decode_loop`);
-* ``prepare``: bookkeeping with no forward (`runner.prepare`): an idle engine frees what
+* ``mixed``: prefill chunks and decodes in one ragged batch (`programs.mixed_step`);
+* ``decode``: many decode steps on the device (`programs.decode_loop`);
+* ``prepare``: bookkeeping with no forward (`programs.prepare`): an idle engine frees what
   finished and looks up prompts that just arrived.
 
 Each starts with the plan's block ops (free, fork, take prefix hits, set sampling rows), so
@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_paged import block_manager as bm
-from jax_paged import runner, sampling
-from jax_paged import sharding as shard
-from jax_paged.config import kv_dtype
-from jax_paged.scheduler import SchedulerOutput, Sequence, blocks_for
+from jax_paged.engine import programs
+from jax_paged.engine.config import kv_dtype
+from jax_paged.engine.scheduler import SchedulerOutput, Sequence, blocks_for
+from jax_paged.memory import block_manager as bm
+from jax_paged.parallel import sharding as shard
+from jax_paged.sampling import sampler as sampling
 from models.llama import prepare_layer_weights
 
 logger = logging.getLogger("jax_paged")
@@ -77,7 +78,7 @@ class ModelRunner:
     ):
         self.config = config
         self.model_config = mc = model.config
-        self.mesh = mesh  # tensor parallelism (`jax_paged.sharding`), or None: one device
+        self.mesh = mesh  # tensor parallelism (`jax_paged.parallel.sharding`), or None: one device
         self.graphdef, self.params = nnx.split(model)
         if mesh is not None:
             self.params = shard.shard_params(self.params, mesh)
@@ -92,7 +93,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_blocks_per_seq = blocks_for(max_model_len, config.block_size)
         self.eos_token_ids = list(eos_token_ids)
-        self.opts = runner.AttentionOptions(
+        self.opts = programs.AttentionOptions(
             scale=mc.scale,
             sliding_window=mc.sliding_window,
             soft_cap=getattr(mc, "attn_logit_softcapping", None),  # Gemma 2
@@ -104,7 +105,7 @@ class ModelRunner:
             mesh=mesh,
         )
         self.key = jax.random.key_data(jax.random.key(config.seed))
-        self.state: runner.DeviceState | None = self.fresh_state(track_tokens=False)
+        self.state: programs.DeviceState | None = self.fresh_state(track_tokens=False)
         self.compiled: dict[tuple, Any] = {}
         self.compile_seconds = 0.0
         self.compile_by_program: dict[str, float] = {}
@@ -114,7 +115,7 @@ class ModelRunner:
         self.host_to_device_bytes = 0
 
     # -- state -----------------------------------------------------------------------------
-    def fresh_state(self, track_tokens: bool) -> runner.DeviceState:
+    def fresh_state(self, track_tokens: bool) -> programs.DeviceState:
         """An empty device state: a zeroed KV pool, every block free, no prefix cache."""
         mc, bs = self.model_config, self.config.block_size
         kv = shard.create_kv_cache(
@@ -137,10 +138,10 @@ class ModelRunner:
         )
         samp = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=track_tokens)
         if not self.config.enable_prefix_caching:
-            return self._place(runner.DeviceState(kv=kv, blocks=blocks, sampling=samp))
+            return self._place(programs.DeviceState(kv=kv, blocks=blocks, sampling=samp))
         s, p = self.max_num_seqs, self.max_blocks_per_seq
         return self._place(
-            runner.DeviceState(
+            programs.DeviceState(
                 kv=kv,
                 blocks=blocks,
                 sampling=samp,
@@ -150,7 +151,7 @@ class ModelRunner:
             )
         )
 
-    def _place(self, state: runner.DeviceState) -> runner.DeviceState:
+    def _place(self, state: programs.DeviceState) -> programs.DeviceState:
         """With a mesh: everything but the KV pages replicated on it."""
         if self.mesh is None:
             return state
@@ -242,8 +243,8 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """Runs the step ``plan`` describes as one compiled program (`runner.mixed_step`,
-        `runner.decode_loop` when ``plan.decode_steps``, `runner.prepare` when it has no
+        """Runs the step ``plan`` describes as one compiled program (`programs.mixed_step`,
+        `programs.decode_loop` when ``plan.decode_steps``, `programs.prepare` when it has no
         chunks) and returns its results. Raises RuntimeError if a take started from other
         than the ``c.start`` cached tokens its lookup found (the step's requests then fail)."""
         if not self.tracks_tokens and any(s.params.uses_penalties for s in plan.row_inits):
@@ -254,7 +255,7 @@ class ModelRunner:
             key = (self.tracks_tokens, ops_key, prompts is not None)
             args = (self.state, ops, prompts)
             self.state, num_free, cached, hits = self.call(
-                "prepare", runner.prepare, key, args, {}, kv=False
+                "prepare", programs.prepare, key, args, {}, kv=False
             )
             none = np.zeros((1, 0), np.int32)
             result = StepResult(none, none, none, none, none, none[0], none[0] > 0, int(num_free))
@@ -275,8 +276,8 @@ class ModelRunner:
             result.hits = [(int(h), int(r)) for h, r in zip(hits[0][:n], hits[1][:n], strict=True)]
         return result
 
-    def _block_ops(self, plan: SchedulerOutput) -> tuple[runner.BlockOps, tuple]:
-        """The plan's `runner.BlockOps` as padded host arrays, and their shape key."""
+    def _block_ops(self, plan: SchedulerOutput) -> tuple[programs.BlockOps, tuple]:
+        """The plan's `programs.BlockOps` as padded host arrays, and their shape key."""
         s = self.max_num_seqs
         free_mask, preempt_mask = np.zeros(s, bool), np.zeros(s, bool)
         free_mask[plan.free_slots] = True
@@ -303,7 +304,7 @@ class ModelRunner:
             init_prompt, key = None, ()
             init_out = np.zeros(s, np.int32)
             init_out[: len(seqs)] = [len(q.output_token_ids) for q in seqs]
-        ops = runner.BlockOps(
+        ops = programs.BlockOps(
             free_mask=free_mask,
             fork_parent=fork_parent,
             fork_child=fork_child,
@@ -331,7 +332,7 @@ class ModelRunner:
 
     def start_tracking_tokens(self, running: list[Sequence]) -> None:
         """Switches the sampling history to per-slot token counts (penalties need them),
-        filled in for the ``running`` sequences (one `runner.prepare` call, once per engine)."""
+        filled in for the ``running`` sequences (one `programs.prepare` call, once per engine)."""
         s = self.state
         counts = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=True)
         counts = dataclasses.replace(counts, num_generated=s.sampling.num_generated)
@@ -339,7 +340,7 @@ class ModelRunner:
         if running:
             self.execute(SchedulerOutput(chunks=[], preempted=[], row_inits=running))
 
-    def _mixed(self, plan: SchedulerOutput, ops: runner.BlockOps, prompts, ops_key):
+    def _mixed(self, plan: SchedulerOutput, ops: programs.BlockOps, prompts, ops_key):
         """One ragged batch of the plan's chunks (prefill chunks and decodes)."""
         chunks = plan.chunks
         num_tokens = sum(c.length for c in chunks)
@@ -376,7 +377,7 @@ class ModelRunner:
             samples[r] = c.samples
             num_new[s.slot] = c.length
         cu[len(chunks) + 1 :] = off
-        batch = runner.MixedBatch(
+        batch = programs.MixedBatch(
             tokens=tokens,
             positions=positions,
             token_row=token_row,
@@ -401,7 +402,7 @@ class ModelRunner:
         key = (t, b, ntop, plp_k, tensors.stop_token_ids.shape[1], prompts is not None)
         key += ops_key
         args = (self.params, self.state, ops, batch, tensors, self.key, prompts)
-        self.state, out = self.call("mixed", runner.mixed_step, key, args, static)
+        self.state, out = self.call("mixed", programs.mixed_step, key, args, static)
         out = jax.device_get(out)
         n = len(chunks)
         ok = np.asarray(out.ok[:n])
@@ -419,7 +420,7 @@ class ModelRunner:
             prompt_lp=out.prompt_lp if want_plp else None,
         )
 
-    def _decode(self, plan: SchedulerOutput, ops: runner.BlockOps, ops_key) -> StepResult:
+    def _decode(self, plan: SchedulerOutput, ops: programs.BlockOps, ops_key) -> StepResult:
         """Up to ``plan.decode_steps`` decode steps of the plan's sequences on the device (each
         row stops at its stop token, max_tokens or the model length)."""
         seqs = [c.seq for c in plan.chunks]
@@ -444,7 +445,7 @@ class ModelRunner:
         key = (b, ntop, tensors.stop_token_ids.shape[1]) + ops_key
         args = (self.params, self.state, ops, last, row_slot, active, max_len, tensors, self.key)
         k = np.int32(plan.decode_steps)
-        self.state, out = self.call("decode", runner.decode_loop, key, (*args, k), static)
+        self.state, out = self.call("decode", programs.decode_loop, key, (*args, k), static)
         out = jax.device_get(out)
         steps, n = int(out.num_steps), len(seqs)
         made = np.sum(out.tokens[:steps, :n] >= 0, axis=0).astype(np.int32)

@@ -34,10 +34,11 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax import lax
 
-from jax_paged import block_manager as bm
-from jax_paged import kv_cache as kvc
-from jax_paged import prefix_cache as pc
-from jax_paged import sampling, sharding
+from jax_paged.memory import block_manager as bm
+from jax_paged.memory import kv_cache as kvc
+from jax_paged.memory import prefix_cache as pc
+from jax_paged.parallel import sharding
+from jax_paged.sampling import sampler as sampling
 from pallas_kernels import paged_attention
 
 
@@ -182,8 +183,8 @@ class AttentionOptions:
     ``drop_window``: when every layer attends through this one sliding window, the steps
     return the blocks that fell out of it to the pool (`block_manager.drop_out_of_window`), so
     a sequence holds about ``window / block_size + 2`` blocks however long it grows.
-    ``mesh``: a tensor-parallel `jax.sharding.Mesh` (`jax_paged.sharding`): the K/V write and
-    the kernel run per shard, on each device's heads and pages.
+    ``mesh``: a tensor-parallel `jax.sharding.Mesh` (`jax_paged.parallel.sharding`): the K/V
+    write and the kernel run per shard, on each device's heads and pages.
     """
 
     scale: float

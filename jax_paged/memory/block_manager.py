@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_paged.eviction import compact_queue, evict, eviction_order
+from jax_paged.memory.eviction import compact_queue, evict, eviction_order
 
 NULL_BLOCK = 0
 

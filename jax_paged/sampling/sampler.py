@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_paged.logit_processing import (
+from jax_paged.entrypoints.sampling_params import SamplingParams
+from jax_paged.sampling.logit_processing import (
     apply_penalties,
     gather_logprobs,
     process_logits,
@@ -45,8 +46,7 @@ from jax_paged.logit_processing import (
 )
 
 # Re-exported: the runner calls sampling.compute_prompt_logprobs.
-from jax_paged.logit_processing import compute_prompt_logprobs as compute_prompt_logprobs
-from jax_paged.sampling_params import SamplingParams
+from jax_paged.sampling.logit_processing import compute_prompt_logprobs as compute_prompt_logprobs
 from models.llama import argmax_last
 
 _KEY_IMPL = "threefry2x32"

@@ -49,7 +49,7 @@ import itertools
 from collections import deque
 from typing import Any
 
-from jax_paged.block_manager import window_dead_blocks
+from jax_paged.memory.block_manager import window_dead_blocks
 
 
 class SequenceStatus(enum.Enum):

@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_paged import kv_cache as kvc
+from jax_paged.memory import kv_cache as kvc
 
 TP_AXIS = "tp"
 

@@ -37,9 +37,9 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from jax_paged import inputs
-from jax_paged.outputs import LogprobsDict, describe_error
-from jax_paged.sampling_params import BeamSearchParams, SamplingParams
+from jax_paged.engine import inputs
+from jax_paged.entrypoints.outputs import LogprobsDict, describe_error
+from jax_paged.entrypoints.sampling_params import BeamSearchParams, SamplingParams
 
 _request_ids = itertools.count()
 

@@ -26,15 +26,15 @@ import traceback
 
 from flax import nnx
 
-from jax_paged import inputs
-from jax_paged import sharding as shard
-from jax_paged.config import EngineConfig, kv_dtype, size_kv_pool
-from jax_paged.metrics import EngineMetrics
-from jax_paged.model_runner import ModelRunner
-from jax_paged.output_processor import OutputProcessor, RequestState
-from jax_paged.outputs import RequestOutput
-from jax_paged.sampling_params import SamplingParams
-from jax_paged.scheduler import Scheduler, Sequence, SequenceStatus
+from jax_paged.engine import inputs
+from jax_paged.engine.config import EngineConfig, kv_dtype, size_kv_pool
+from jax_paged.engine.metrics import EngineMetrics
+from jax_paged.engine.model_runner import ModelRunner
+from jax_paged.engine.output_processor import OutputProcessor, RequestState
+from jax_paged.engine.scheduler import Scheduler, Sequence, SequenceStatus
+from jax_paged.entrypoints.outputs import RequestOutput
+from jax_paged.entrypoints.sampling_params import SamplingParams
+from jax_paged.parallel import sharding as shard
 from models.protocol import check_model
 
 logger = logging.getLogger("jax_paged")
