@@ -111,7 +111,15 @@ def _decode_case(seed, *, dtype, group, bs, head_dim, num_kv_heads=2, share=((4,
     [
         (jnp.float32, 1, 16, 128, {}),  # default chunking: one program, long chunks
         (jnp.bfloat16, 3, 8, 128, dict(pages_per_chunk=2, seqs_per_block=4)),  # B padded 6 -> 8
-        (jnp.float32, 4, 32, 64, dict(pages_per_chunk=1, seqs_per_block=3)),
+        # The fast tier's decode cases cover both dtypes, default and explicit chunking.
+        pytest.param(
+            jnp.float32,
+            4,
+            32,
+            64,
+            dict(pages_per_chunk=1, seqs_per_block=3),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_decode_matches_reference(dtype, group, bs, head_dim, knobs):
@@ -185,7 +193,15 @@ def _ragged_case(seed, *, dtype, group, bs, head_dim, num_kv_heads=2, num_seqs_s
 @pytest.mark.parametrize(
     "dtype, group, bs, head_dim, knobs",
     [
-        (jnp.float32, 1, 16, 128, dict(pages_per_chunk=2, queries_per_block=16)),
+        # The fast tier's ragged cases cover both dtypes, default and explicit blocking.
+        pytest.param(
+            jnp.float32,
+            1,
+            16,
+            128,
+            dict(pages_per_chunk=2, queries_per_block=16),
+            marks=pytest.mark.slow,
+        ),
         (jnp.bfloat16, 4, 8, 128, {}),  # default blocking
         (jnp.float32, 3, 32, 64, dict(pages_per_chunk=1, queries_per_block=8)),
     ],
