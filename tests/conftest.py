@@ -374,9 +374,12 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    """Our tokenizer of the embedded GGUF, built from the file's metadata the way `models.load`
-    builds it, without dequantizing the weights (2 s instead of 5)."""
+def smollm2_tokenizer(request):
+    """Our tokenizer of the embedded GGUF. The fast tier builds it from the file's metadata the
+    way `models.load` builds it, without dequantizing the weights (2 s instead of 5); the full
+    suite, whose slow tests load the whole model anyway, takes the loaded model's."""
+    if _FULL_SUITE:
+        return request.getfixturevalue("smollm2").tokenizer
     import gguf
 
     import models
