@@ -99,11 +99,14 @@ def _max_map_count() -> int:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
+def _release_compiled_programs(request):
     """Frees the compiled programs held by jax's caches when a module ends, if the process
     holds more memory mappings than `MAP_SHARE_BEFORE_CLEARING` of ``vm.max_map_count`` (or
-    the count cannot be read)."""
+    the count cannot be read), and another module is still to run."""
     yield
+    items = request.session.items
+    if items and items[-1].getparent(pytest.Module) is request.node:
+        return  # the last module: the process ends next
     count = _map_count()
     if count is not None and count < MAP_SHARE_BEFORE_CLEARING * _max_map_count():
         return
@@ -368,6 +371,23 @@ def smollm2():
     import models
 
     return models.load()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(request):
+    """Our tokenizer of the embedded GGUF. The fast tier builds it from the file's metadata the
+    way `models.load` builds it, without dequantizing the weights (2 s instead of 5); the full
+    suite, whose slow tests load the whole model anyway, takes the loaded model's."""
+    if _FULL_SUITE:
+        return request.getfixturevalue("smollm2").tokenizer
+    import gguf
+
+    import models
+    from models.gguf import _gguf_metadata
+    from models.tokenizer import Tokenizer
+
+    reader = gguf.GGUFReader(str(models.default_model_path()))
+    return Tokenizer.from_gguf_metadata(_gguf_metadata(reader))
 
 
 @pytest.fixture(scope="session")

@@ -134,7 +134,7 @@ def _assert_clean(llm):
 
 
 @settings(
-    max_examples=200 if full_suite_run() else 40,  # the fast tier runs a fifth
+    max_examples=200 if full_suite_run() else 25,  # the fast tier runs an eighth
     deadline=None,
     derandomize=True,  # the same examples on every CI run
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -311,6 +311,9 @@ def test_cache_new_blocks_as_they_fill_equals_caching_whole_rows():
     seq_tokens = jnp.asarray(seqs)
     inc = full = bm.init_state(64, bs, s, p, hash_table_size=1 << 16)
     lens = np.zeros(s, np.int32)
+    # Under jit as the engine calls them (op by op, each step would dispatch hundreds of ops).
+    cache_new = jax.jit(pc.cache_new_blocks, static_argnames="max_new")
+    cache_full = jax.jit(pc.cache_full_blocks)
     for step in range(14):
         chunk = rng.integers(0, 6, s) if step % 3 else np.ones(s, np.int64)
         chunk = np.minimum(chunk, p * bs - lens).astype(np.int32)
@@ -319,8 +322,8 @@ def test_cache_new_blocks_as_they_fill_equals_caching_whole_rows():
         full, res_b = bm.reserve(full, jnp.asarray(chunk))
         assert np.asarray(res_a.ok).all() and np.asarray(res_b.ok).all()
         lens += chunk
-        inc = pc.cache_new_blocks(inc, seq_tokens, old, max_new=int(chunk.max()) // bs + 1)
-        full = pc.cache_full_blocks(full, jnp.arange(s), seq_tokens, jnp.asarray(lens))
+        inc = cache_new(inc, seq_tokens, old, max_new=int(chunk.max()) // bs + 1)
+        full = cache_full(full, jnp.arange(s), seq_tokens, jnp.asarray(lens))
         bm.check_invariants(inc)
         for f in ("cached", "hash_table", "block_hash", "block_chain", "block_parent"):
             np.testing.assert_array_equal(getattr(inc, f), getattr(full, f), err_msg=f)

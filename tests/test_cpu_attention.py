@@ -56,9 +56,32 @@ def _batch(rng, q_lens, kv_lens, p, bs, n):
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("d,h,kvh", [(64, 9, 3), (128, 4, 4), (24, 8, 2)])
-@pytest.mark.parametrize("window,cap", [(None, None), (7, None), (None, 5.0)])
+def _grid(*axes):
+    """The product of ``axes`` (lists of argument tuples), the first axis varying slowest. The
+    fast tier runs the points whose indices sum to 0 modulo the last axis's length (a Latin
+    square: every value of every axis, every pair of the first axes' values); the slow tier
+    runs them all."""
+    points = [()]
+    for axis in axes:
+        points = [(*p, (i, a)) for p in points for i, a in enumerate(axis)]
+    n = len(axes[-1])
+    return [
+        pytest.param(
+            *(x for _, a in p for x in a),
+            marks=() if sum(i for i, _ in p) % n == 0 else pytest.mark.slow,
+        )
+        for p in points
+    ]
+
+
+@pytest.mark.parametrize(
+    "window,cap,d,h,kvh,dtype",
+    _grid(
+        [(None, None), (7, None), (None, 5.0)],
+        [(64, 9, 3), (128, 4, 4), (24, 8, 2)],
+        [(jnp.float32,), (jnp.bfloat16,), (jnp.float16,)],
+    ),
+)
 def test_ragged_matches_reference(dtype, d, h, kvh, window, cap):
     rng = np.random.default_rng(d + h + (window or 0))
     layers, n, bs, p = 3, 64, 4, 12
@@ -97,18 +120,20 @@ def test_decode_matches_reference_and_spreads_over_threads():
     np.testing.assert_array_equal(np.asarray(got)[kv_lens == 0], 0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
-    "d,h,kvh",
-    [
-        (64, 4, 2),  # G = 2: 8 keys per folded block of 16 dot products
-        (64, 12, 2),  # G = 6: no compiled-in head count, the head count read at run time
-        (128, 16, 2),  # G = 8
-        (64, 20, 1),  # G = 20 > 16: the heads go in groups of 16 and 4, one key per block
-        (256, 6, 3),  # D = 256, G = 2
-    ],
+    "window,cap,d,h,kvh,dtype",
+    _grid(
+        [(None, None), (11, 3.0)],
+        [
+            (64, 4, 2),  # G = 2: 8 keys per folded block of 16 dot products
+            (64, 12, 2),  # G = 6: no compiled-in head count, the head count read at run time
+            (128, 16, 2),  # G = 8
+            (64, 20, 1),  # G = 20 > 16: the heads go in groups of 16 and 4, one key per block
+            (256, 6, 3),  # D = 256, G = 2
+        ],
+        [(jnp.float32,), (jnp.bfloat16,)],
+    ),
 )
-@pytest.mark.parametrize("window,cap", [(None, None), (11, 3.0)])
 def test_head_groups_match_reference(dtype, d, h, kvh, window, cap):
     """Every way the kernel groups a KV head's query heads over a key block, and the softmax's
     lanes of 16 G floats, against the reference (ragged rows, NaN where no row looks)."""

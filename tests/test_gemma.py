@@ -244,7 +244,10 @@ def test_logits_match_hf(name, tiny):
     assert err <= TOL, f"max abs logit error {err:.2e} > {TOL}"
 
 
-@pytest.mark.parametrize("name", NAMES)
+# gemma3_gqa4's greedy tokens meet HF's in the fast tier through the engine (below).
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "gemma3_gqa4" else n for n in NAMES]
+)
 def test_greedy_matches_hf(name, tiny):
     hf, _, lm = tiny(name)
     prompts = _prompts(seed=2)

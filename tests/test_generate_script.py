@@ -217,7 +217,9 @@ def test_results_are_written_as_they_finish(tiny_hf, tmp_path, capsys, monkeypat
             ]
         )
     )
-    rc = gen.main(["--model", str(folder), "--prompts-file", str(src), "--output", str(out)])
+    rc = gen.main(
+        ["--model", str(folder), "--prompts-file", str(src), "--output", str(out), *ENGINE]
+    )
     assert rc == 1
     err = capsys.readouterr().err
     (line,) = _error_lines(err)

@@ -85,7 +85,17 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bs,kvh,group,head_dim,dtype,window,cap,tuning", DECODE_CASES)
+def _slow_where(cases, indices):
+    """``cases`` with those at ``indices`` in the slow tier only: the fast tier runs those
+    shapes through the stacked-layer tests below."""
+    return [
+        pytest.param(*c, marks=pytest.mark.slow) if i in indices else c for i, c in enumerate(cases)
+    ]
+
+
+@pytest.mark.parametrize(
+    "bs,kvh,group,head_dim,dtype,window,cap,tuning", _slow_where(DECODE_CASES, (1, 4))
+)
 def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, tuning):
     rng = np.random.default_rng(bs + 10 * group)
     lens = [0, 1, bs - 1, bs, bs + 1, LONG]
@@ -192,7 +202,9 @@ RAGGED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bs,kvh,group,head_dim,dtype,window,cap,tuning", RAGGED_CASES)
+@pytest.mark.parametrize(
+    "bs,kvh,group,head_dim,dtype,window,cap,tuning", _slow_where(RAGGED_CASES, (1, 2))
+)
 def test_ragged_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, tuning):
     rng = np.random.default_rng(100 + bs + group)
     kv_lens, q_lens, num_seqs, rows = mixed_batch(bs)

@@ -118,12 +118,15 @@ def ragged_case(bs, kvh, group, head_dim, dtype, seed):
     return rng, q, case, jnp.asarray(cu), num_seqs
 
 
-# bs, kvh, group, head_dim, dtype, window, cap, tuning
+# bs, kvh, group, head_dim, dtype, window, cap, tuning. The fast tier runs two cases that
+# between them cover both dtypes, both compute block sizes, window, soft cap and several splits.
+slow = pytest.mark.slow
 DECODE_CASES = [
-    (16, 2, 1, 64, jnp.bfloat16, None, None, dict(num_splits=1)),
-    (32, 2, 4, 128, jnp.float16, None, None, dict(num_splits=2)),
+    pytest.param(16, 2, 1, 64, jnp.bfloat16, None, None, dict(num_splits=1), marks=slow),
+    pytest.param(32, 2, 4, 128, jnp.float16, None, None, dict(num_splits=2), marks=slow),
     (16, 1, 8, 128, jnp.bfloat16, 40, 5.0, dict(num_splits=3)),
-    (8, 2, 4, 64, jnp.bfloat16, 9, None, {}),  # default splits; 8 pages per compute block
+    # default splits; 8 pages per compute block
+    pytest.param(8, 2, 4, 64, jnp.bfloat16, 9, None, {}, marks=slow),
     (128, 1, 3, 64, jnp.float16, None, 2.0, dict(num_splits=2, num_stages=1)),  # bk = 128
 ]
 
@@ -165,7 +168,8 @@ def test_ragged_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, 
 
 
 @needs_hopper
-@pytest.mark.parametrize("form", ["decode", "ragged"])
+# The fast tier reads stacked decode pages at a traced layer in `test_decode_layers_in_scan`.
+@pytest.mark.parametrize("form", [pytest.param("decode", marks=pytest.mark.slow), "ragged"])
 def test_stacked_layers(form):
     """Stacked ``[L, KVH, N, bs, D]`` pages at layer 1, as an int and traced, vs the reference."""
     bs, kvh, group, d, dtype = 16, 2, 4, 64, jnp.bfloat16

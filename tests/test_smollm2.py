@@ -49,6 +49,9 @@ def run(smollm2, smollm2_hf_model):
     return dict(prompts=prompts, generated=generated, full=full, ours=ours, hf=hf)
 
 
+# Slow: loading the real weights takes seconds. The fast tier loads tiny GGUF files
+# (test_loading_errors, test_models_hf) and reads this file's tokenizer (test_tokenizer).
+@pytest.mark.slow
 def test_config_from_gguf(smollm2):
     c = smollm2.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (30, 576, 9, 3)

@@ -70,9 +70,9 @@ CONVERSATIONS = [
 ]
 
 
-def test_fifty_strings(smollm2, smollm2_hf_tokenizer):
+def test_fifty_strings(smollm2_tokenizer, smollm2_hf_tokenizer):
     assert len(STRINGS) == 50
-    ours, hf = smollm2.tokenizer, smollm2_hf_tokenizer
+    ours, hf = smollm2_tokenizer, smollm2_hf_tokenizer
     for s in STRINGS:
         ids = ours.encode(s)
         assert ids == hf(s)["input_ids"], repr(s)
@@ -80,8 +80,8 @@ def test_fifty_strings(smollm2, smollm2_hf_tokenizer):
     assert ours.encode_batch(STRINGS[:5]) == [ours.encode(s) for s in STRINGS[:5]]
 
 
-def test_special_tokens(smollm2):
-    tok = smollm2.tokenizer
+def test_special_tokens(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     assert tok.token_to_id("<|im_start|>") == 1 and tok.token_to_id("<|im_end|>") == 2
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
     assert tok.bos_token == "<|im_start|>"
@@ -91,15 +91,15 @@ def test_special_tokens(smollm2):
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_hf(smollm2, smollm2_hf_tokenizer, add_generation_prompt):
+def test_chat_template_matches_hf(smollm2_tokenizer, smollm2_hf_tokenizer, add_generation_prompt):
     for conv in CONVERSATIONS:
-        ours = smollm2.tokenizer.apply_chat_template(conv, add_generation_prompt)
+        ours = smollm2_tokenizer.apply_chat_template(conv, add_generation_prompt)
         hf = smollm2_hf_tokenizer.apply_chat_template(
             conv, add_generation_prompt=add_generation_prompt, tokenize=False
         )
         assert ours == hf
-        ours_ids = smollm2.tokenizer.apply_chat_template(conv, add_generation_prompt, tokenize=True)
-        assert ours_ids == smollm2.tokenizer.encode(hf, add_special_tokens=False)
+        ours_ids = smollm2_tokenizer.apply_chat_template(conv, add_generation_prompt, tokenize=True)
+        assert ours_ids == smollm2_tokenizer.encode(hf, add_special_tokens=False)
     assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
@@ -120,12 +120,12 @@ def test_hf_folder_tokenizer(smollm2_hf_tokenizer, tiny_hf, tmp_path):
         )
 
 
-def test_save_roundtrip(smollm2, tmp_path):
-    smollm2.tokenizer.save(tmp_path)
+def test_save_roundtrip(smollm2_tokenizer, tmp_path):
+    smollm2_tokenizer.save(tmp_path)
     back = Tokenizer.from_folder(tmp_path)
-    assert back.chat_template == smollm2.tokenizer.chat_template
-    assert back.eos_token_id == smollm2.tokenizer.eos_token_id
-    assert [back.encode(s) for s in STRINGS] == [smollm2.tokenizer.encode(s) for s in STRINGS]
+    assert back.chat_template == smollm2_tokenizer.chat_template
+    assert back.eos_token_id == smollm2_tokenizer.eos_token_id
+    assert [back.encode(s) for s in STRINGS] == [smollm2_tokenizer.encode(s) for s in STRINGS]
 
 
 def test_template_raise_exception():

@@ -111,7 +111,15 @@ def _decode_case(seed, *, dtype, group, bs, head_dim, num_kv_heads=2, share=((4,
     [
         (jnp.float32, 1, 16, 128, {}),  # default chunking: one program, long chunks
         (jnp.bfloat16, 3, 8, 128, dict(pages_per_chunk=2, seqs_per_block=4)),  # B padded 6 -> 8
-        (jnp.float32, 4, 32, 64, dict(pages_per_chunk=1, seqs_per_block=3)),
+        # The fast tier's decode cases cover both dtypes, default and explicit chunking.
+        pytest.param(
+            jnp.float32,
+            4,
+            32,
+            64,
+            dict(pages_per_chunk=1, seqs_per_block=3),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_decode_matches_reference(dtype, group, bs, head_dim, knobs):
@@ -123,7 +131,10 @@ def test_decode_matches_reference(dtype, group, bs, head_dim, knobs):
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # kv_lens == 0
 
 
-@pytest.mark.parametrize("sliding_window, soft_cap", [(20, None), (None, 1.5)])
+# The fast tier's decode window runs in `test_decode_stacked_layers`.
+@pytest.mark.parametrize(
+    "sliding_window, soft_cap", [pytest.param(20, None, marks=pytest.mark.slow), (None, 1.5)]
+)
 def test_decode_window_and_soft_cap(sliding_window, soft_cap):
     q, k, v, tables, lens = _decode_case(1, dtype=jnp.float32, group=2, bs=16, head_dim=128)
     q = q * 4.0  # large logits, so the soft cap bites
@@ -185,7 +196,15 @@ def _ragged_case(seed, *, dtype, group, bs, head_dim, num_kv_heads=2, num_seqs_s
 @pytest.mark.parametrize(
     "dtype, group, bs, head_dim, knobs",
     [
-        (jnp.float32, 1, 16, 128, dict(pages_per_chunk=2, queries_per_block=16)),
+        # The fast tier's ragged cases cover both dtypes, default and explicit blocking.
+        pytest.param(
+            jnp.float32,
+            1,
+            16,
+            128,
+            dict(pages_per_chunk=2, queries_per_block=16),
+            marks=pytest.mark.slow,
+        ),
         (jnp.bfloat16, 4, 8, 128, {}),  # default blocking
         (jnp.float32, 3, 32, 64, dict(pages_per_chunk=1, queries_per_block=8)),
     ],
@@ -202,7 +221,10 @@ def test_ragged_matches_reference(dtype, group, bs, head_dim, knobs):
     np.testing.assert_array_equal(np.asarray(out[live:], np.float32), 0.0)  # padding rows
 
 
-@pytest.mark.parametrize("sliding_window, soft_cap", [(12, None), (None, 1.5)])
+# The fast tier's ragged soft cap runs in `test_ragged_stacked_layers`.
+@pytest.mark.parametrize(
+    "sliding_window, soft_cap", [(12, None), pytest.param(None, 1.5, marks=pytest.mark.slow)]
+)
 def test_ragged_window_and_soft_cap(sliding_window, soft_cap):
     args, _ = _ragged_case(1, dtype=jnp.float32, group=2, bs=16, head_dim=128)
     args = (args[0] * 4.0, *args[1:])  # large logits, so the soft cap bites

@@ -37,8 +37,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("tile", [None, 4])
-@pytest.mark.parametrize("bs,kvh,group,head_dim,dtype,window,cap,chunk", CASES)
+def _grid(variants, fast):
+    """Every case with every variant; those that ``fast(case_index, variant_index)`` rejects
+    run in the slow tier only. The fast tier still runs every case and every variant."""
+    return [
+        pytest.param(*case, *var, marks=() if fast(c, v) else pytest.mark.slow)
+        for c, case in enumerate(CASES)
+        for v, var in enumerate(variants)
+    ]
+
+
+@pytest.mark.parametrize(
+    "bs,kvh,group,head_dim,dtype,window,cap,chunk,tile",
+    _grid([(None,), (4,)], lambda c, v: v == 0 or c == 3),
+)
 def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, chunk, tile):
     """``tile=4``: six sequences in two tiles of query blocks, the second padded."""
     rng = np.random.default_rng(bs + 10 * group)
@@ -58,9 +70,12 @@ def test_decode_matches_reference(bs, kvh, group, head_dim, dtype, window, cap, 
 
 
 @pytest.mark.parametrize(
-    "block_q,tile", [(None, None), (1, None), (3, None), (16, None), (1, 5), (3, 2)]
+    "bs,kvh,group,head_dim,dtype,window,cap,chunk,block_q,tile",
+    _grid(
+        [(None, None), (1, None), (3, None), (16, None), (1, 5), (3, 2)],
+        lambda c, v: v % len(CASES) == c,  # each case once, each variant once
+    ),
 )
-@pytest.mark.parametrize("bs,kvh,group,head_dim,dtype,window,cap,chunk", CASES)
 def test_ragged_matches_reference(
     bs, kvh, group, head_dim, dtype, window, cap, chunk, block_q, tile
 ):
