@@ -194,6 +194,7 @@ def test_limit_on_n_and_beam_width_and_the_rejection_counter(llm):
         LLM(llm.engine.loaded, max_n=0)
 
 
+@pytest.mark.slow  # the fast tier keeps the one-call-per-step test with arrivals
 def test_device_calls_per_step(tiny_llama):
     """Admitting 16 requests that hit the prefix cache into an idle engine costs two calls
     (one lookup for all, then the step that takes the hits); a steady decode phase makes one
@@ -267,6 +268,7 @@ def test_one_device_call_per_step_while_requests_arrive(tiny_llama):
     _assert_clean(llm)
 
 
+@pytest.mark.slow  # the fast tier keeps the one-call-per-step test with arrivals
 def test_host_to_device_bytes_of_a_decode_step_do_not_grow_with_max_model_len(tiny_llama):
     """A steady decode step ships the step's differences, not tables sized by the model
     length: the same bytes at max_model_len 64 and 1024."""
