@@ -3,7 +3,8 @@
 import random
 from types import SimpleNamespace
 
-from jax_paged.engine.scheduler import Scheduler, Sequence, SequenceStatus, blocks_for
+from jax_paged.engine.scheduler import Scheduler
+from jax_paged.engine.sequence import Sequence, SequenceStatus, blocks_for
 from jax_paged.entrypoints.sampling_params import SamplingParams
 
 

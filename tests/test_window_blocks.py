@@ -15,7 +15,7 @@ import pytest
 from conftest import hf_greedy
 
 from jax_paged import LLM, SamplingParams
-from jax_paged.engine.scheduler import max_blocks_held
+from jax_paged.engine.sequence import max_blocks_held
 from jax_paged.memory import block_manager as bm
 
 WINDOW, BS, NEW = 8, 4, 200

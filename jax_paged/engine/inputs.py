@@ -8,9 +8,11 @@ turn it into that request's error.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from jax_paged.engine.scheduler import max_blocks_held
+from jax_paged.engine.sequence import max_blocks_held
 from jax_paged.entrypoints.sampling_params import SamplingParams
 
 
@@ -117,3 +119,22 @@ def check_request(
                 f"{usable_blocks}: lower max_tokens or raise num_kv_blocks"
             )
     return max_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """The engine's sizes every request is checked against (`check_request`'s keywords)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    has_tokenizer: bool
+    max_n: int | None = None
+    block_size: int | None = None
+    usable_blocks: int | None = None
+    window: int | None = None
+    chunk: int | None = None
+
+    def check(self, ids: list[int], params: SamplingParams) -> int:
+        """`check_request` under these limits; returns the request's max_tokens."""
+        return check_request(ids, params, **dataclasses.asdict(self))

@@ -19,7 +19,6 @@ preempted. A step that raises fails its own requests and the state is rebuilt (`
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import traceback
@@ -31,7 +30,8 @@ from jax_paged.engine.config import EngineConfig, kv_dtype, size_kv_pool
 from jax_paged.engine.metrics import EngineMetrics
 from jax_paged.engine.model_runner import ModelRunner
 from jax_paged.engine.output_processor import OutputProcessor, RequestState
-from jax_paged.engine.scheduler import Scheduler, Sequence, SequenceStatus
+from jax_paged.engine.scheduler import Scheduler
+from jax_paged.engine.sequence import Sequence, SequenceStatus
 from jax_paged.entrypoints.outputs import RequestOutput
 from jax_paged.entrypoints.sampling_params import SamplingParams
 from jax_paged.parallel import sharding as shard
@@ -88,11 +88,25 @@ class LLMEngine:
             caching=config.enable_prefix_caching,
             max_cached_heads=max(4096, 4 * self.num_blocks),
         )
+        self.limits = inputs.RequestLimits(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            max_logprobs=config.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
+            max_n=config.max_n,
+            block_size=bs,
+            usable_blocks=self.num_blocks - 1,
+            window=self.scheduler.window,
+            chunk=self.max_num_batched_tokens,
+        )
         self.metrics = EngineMetrics()
         self.caching = config.enable_prefix_caching
-        self.requests: dict[str, RequestState] = {}
-        self._seq_ids = itertools.count()
         self._step_seqs: list[Sequence] | None = None  # the sequences of the step in flight
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The unfinished requests by id (`OutputProcessor.requests`)."""
+        return self.output.requests
 
     @property
     def state(self):
@@ -120,22 +134,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = inputs.parse_prompt(prompt, self.tokenizer)
-        max_tokens = inputs.check_request(
-            ids,
-            params,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            max_logprobs=self.config.max_logprobs,
-            has_tokenizer=self.tokenizer is not None,
-            max_n=self.config.max_n,
-            block_size=self.config.block_size,
-            usable_blocks=self.num_blocks - 1,
-            window=self.scheduler.window,
-            chunk=self.max_num_batched_tokens,
+        max_tokens = self.limits.check(ids, params)
+        self.scheduler.add_request(
+            self.output.new_request(request_id, text, ids, params, max_tokens)
         )
-        req = self.output.new_request(request_id, text, ids, params, max_tokens, self._seq_ids)
-        self.scheduler.add_request(req)
-        self.requests[request_id] = req
         self.metrics.add("num_requests")
         self.metrics.add("prompt_tokens", len(ids))
 
@@ -179,6 +181,13 @@ class LLMEngine:
         outputs, the device state is rebuilt empty, and every other running sequence is
         preempted (it re-prefills later, its output unchanged): the engine keeps serving.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._step(max_decode_steps)
+        finally:
+            self.metrics.step_seconds += time.perf_counter() - t0
+
+    def _step(self, max_decode_steps: int | None) -> list[RequestOutput]:
         self.metrics.add("num_steps")
         self._step_seqs = None
         if max_decode_steps is not None and (
@@ -217,31 +226,13 @@ class LLMEngine:
         return result
 
     def _process(self, plan, result) -> list[RequestOutput]:
-        """Hands each sequence's new tokens to the output processor (detokenising, stop
-        strings, finishing); returns the outputs of the requests that progressed."""
-        self.metrics.on_schedule(plan, self.scheduler, self.caching)
-        self.metrics.after_step([q.num_computed for q in self.scheduler.running], self.scheduler)
-        if plan.decode_steps:
-            self.metrics.add("decode_loop_tokens", int(result.made.sum()))
-        progressed: dict[str, RequestState] = {}
-        off = 0
-        for r, c in enumerate(plan.chunks):
-            s, off = c.seq, off + c.length
-            if not result.ok[r]:
-                continue
-            if result.prompt_lp is not None and s.params.prompt_logprobs is not None:
-                plp = result.prompt_lp
-                self.output.record_prompt_logprobs(s, c.start, c.length, plp, off - c.length)
-            if result.made[r]:
-                self._append(s, result, r, int(result.made[r]))
-                progressed[s.request_id] = s.request
+        """The step's tokens to the output processor (detokenising, stop strings, finishing);
+        returns the outputs of the requests that progressed."""
+        self.metrics.on_step(plan, result, self.scheduler, self.caching)
+        outs, kept = self.output.process(plan, result, self._finish_seq)
+        self.metrics.add("generated_tokens", kept)
+        self.metrics.add("num_finished", sum(o.finished for o in outs))
         self.metrics.maybe_log(self.get_metrics)
-        outs = []
-        for req in progressed.values():
-            outs.append(self.output.make_output(req))
-            if req.finished:
-                self.requests.pop(req.request_id, None)
-                self.metrics.add("num_finished")
         return outs
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
@@ -260,26 +251,11 @@ class LLMEngine:
         outs = []
         for req in failed:
             self._abort_seqs(req)
-            req.error = msg
-            req.metrics.finished_time = time.time()
-            self.requests.pop(req.request_id, None)
             self.metrics.add("num_failed")
-            outs.append(self.output.make_output(req))
+            outs.append(self.output.fail(req, msg))
         self.scheduler.reset()
         self.runner.reset()
         return outs
-
-    def _append(self, s: Sequence, out, r: int, m: int) -> None:
-        """Gives row ``r``'s first ``m`` tokens of ``out`` (arrays [steps, rows]) to the output
-        processor; finishes ``s`` if one stops it."""
-        arrays = (out.tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)
-        cols = [a[:m, r] for a in arrays]
-        toks, lps, ranks = cols[0].tolist(), cols[1].tolist(), cols[2].tolist()
-        kept, reason = self.output.append(s, toks, lps, ranks, list(cols[3]), list(cols[4]))
-        self.metrics.add("generated_tokens", kept)
-        if reason is not None:
-            self._finish_seq(s, *reason)
-            s.request.metrics.finished_time = time.time()
 
     def get_metrics(self) -> dict:
         """Counters and gauges of the engine (a plain dict; the README lists them)."""

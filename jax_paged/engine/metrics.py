@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any
 
-from jax_paged.engine.scheduler import blocks_for
+from jax_paged.engine.sequence import blocks_for
 
 logger = logging.getLogger("jax_paged")
 
@@ -36,11 +36,19 @@ class EngineMetrics:
         self.counts: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
         self.peak_kv_usage = 0.0
         self.device_seconds = 0.0  # wall time of the step calls, host glue included
+        self.step_seconds = 0.0  # wall time inside `LLMEngine.step`
         self.start = time.perf_counter()
         self._last_log = 0.0
 
     def add(self, name: str, n=1) -> None:
         self.counts[name] += n
+
+    def on_step(self, plan, result, scheduler, caching: bool) -> None:
+        """A step's accounting (`on_schedule`, `after_step`, decode-loop tokens)."""
+        self.on_schedule(plan, scheduler, caching)
+        self.after_step([q.num_computed for q in scheduler.running], scheduler)
+        if plan.decode_steps:
+            self.counts["decode_loop_tokens"] += int(result.made.sum())
 
     def on_schedule(self, sched, scheduler, caching: bool) -> None:
         """Stamps first scheduling times, counts a step's prefix-cache lookups (first
@@ -85,6 +93,10 @@ class EngineMetrics:
             host_to_device_bytes_per_step=runner.host_to_device_bytes / max(1, c["num_steps"]),
             device_seconds=self.device_seconds,
             compiled_seconds=runner.call_seconds,
+            step_seconds=self.step_seconds,
+            # Share of the steps' wall time (compiling aside) the device sat idle while the
+            # host scheduled, built inputs, detokenised and streamed.
+            device_idle_share=_idle_share(self.step_seconds, runner),
             peak_kv_usage=self.peak_kv_usage,
             kv_usage=used / max(1, scheduler.num_blocks),
             num_kv_blocks=num_kv_blocks,
@@ -127,3 +139,10 @@ class EngineMetrics:
             m["num_preemptions"],
             m["compiled_variants"],
         )
+
+
+def _idle_share(step_seconds: float, runner) -> float:
+    busy = step_seconds - runner.compile_seconds
+    if busy <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - runner.call_seconds / busy))

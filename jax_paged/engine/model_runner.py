@@ -30,7 +30,7 @@ from flax import nnx
 
 from jax_paged.engine import programs
 from jax_paged.engine.config import kv_dtype
-from jax_paged.engine.scheduler import SchedulerOutput, Sequence, blocks_for
+from jax_paged.engine.sequence import SchedulerOutput, Sequence, StepResult, blocks_for
 from jax_paged.memory import block_manager as bm
 from jax_paged.parallel import sharding as shard
 from jax_paged.sampling import sampler as sampling
@@ -42,6 +42,8 @@ logger = logging.getLogger("jax_paged")
 # weights are read once whatever the batch), so smaller buckets would only add variants.
 _MIN_TOKENS = 32
 _MIN_DECODE_ROWS = 8
+# Entries of a step's block-op lists (`programs.BlockOps`) unless one has more (then one per slot).
+_MIN_OPS = 8
 
 
 def _pow2_at_least(x: int, lo: int = 1) -> int:
@@ -93,6 +95,9 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_blocks_per_seq = blocks_for(max_model_len, config.block_size)
         self.eos_token_ids = list(eos_token_ids)
+        # Width of every row's stop-id list in the persistent batch (`DeviceState.rows`): one
+        # bucket for every request with up to 8 stop ids (EOS included); grows when one has more.
+        self.stop_width = _pow2_at_least(len(self.eos_token_ids), 8)
         self.opts = programs.AttentionOptions(
             scale=mc.scale,
             sliding_window=mc.sliding_window,
@@ -137,14 +142,13 @@ class ModelRunner:
             hash_table_size=16 * _pow2_at_least(self.num_blocks),
         )
         samp = sampling.init_state(self.max_num_seqs, self.vocab_size, track_tokens=track_tokens)
+        rows = self._tensors([None] * self.max_num_seqs, self.max_num_seqs, on_host=False)
+        state = programs.DeviceState(kv=kv, blocks=blocks, sampling=samp, rows=rows)
         if not self.config.enable_prefix_caching:
-            return self._place(programs.DeviceState(kv=kv, blocks=blocks, sampling=samp))
+            return self._place(state)
         s, p = self.max_num_seqs, self.max_blocks_per_seq
         return self._place(
-            programs.DeviceState(
-                kv=kv,
-                blocks=blocks,
-                sampling=samp,
+            state.replace(
                 tokens=jnp.zeros((s, p * bs), jnp.int32),
                 found_blocks=jnp.zeros((s, p), jnp.int32),
                 found_len=jnp.zeros(s, jnp.int32),
@@ -225,7 +229,8 @@ class ModelRunner:
         self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + dt
         return out
 
-    def _tensors(self, seqs: list[Sequence | None], pad_to: int):
+    def _tensors(self, seqs: list[Sequence | None], pad_to: int, on_host: bool = True):
+        """The sampling parameters of ``seqs`` (None: an empty row), ``pad_to`` rows."""
         params = [None if s is None else s.params for s in seqs]
         uids = [None if s is None else s.seq_id for s in seqs]
         return sampling.SamplingTensors.from_params(
@@ -234,12 +239,24 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             request_uids=uids,
             pad_to=pad_to,
-            stop_width=_pow2_at_least(
-                max((len(s.params.stop_token_ids or []) for s in seqs if s), default=0)
-                + len(self.eos_token_ids),
-                8,  # one bucket for every request with up to 8 stop ids (EOS included)
-            ),
+            stop_width=self.stop_width,
+            on_host=on_host,
         )
+
+    def _fit_stop_width(self, seqs: list[Sequence]) -> None:
+        """Widens the persistent batch's stop-id lists (a new compiled variant) when one of
+        ``seqs`` has more stop ids than they hold."""
+        need = max((len(s.params.stop_token_ids or []) for s in seqs), default=0)
+        need = _pow2_at_least(need + len(self.eos_token_ids), 8)
+        if need <= self.stop_width:
+            return
+        rows = self.state.rows
+        pad = ((0, 0), (0, need - self.stop_width))
+        rows = dataclasses.replace(
+            rows, stop_token_ids=jnp.pad(rows.stop_token_ids, pad, constant_values=-1)
+        )
+        self.stop_width = need
+        self.state = self._place(self.state.replace(rows=rows))
 
     # -- one step ------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput) -> StepResult:
@@ -277,43 +294,45 @@ class ModelRunner:
         return result
 
     def _block_ops(self, plan: SchedulerOutput) -> tuple[programs.BlockOps, tuple]:
-        """The plan's `programs.BlockOps` as padded host arrays, and their shape key."""
-        s = self.max_num_seqs
-        free_mask, preempt_mask = np.zeros(s, bool), np.zeros(s, bool)
-        free_mask[plan.free_slots] = True
-        preempt_mask[plan.preempted_slots] = True
-        fork_parent, fork_child = np.full(s, -1, np.int32), np.full(s, -1, np.int32)
-        for i, (p, c) in enumerate(plan.forks):
-            fork_parent[i], fork_child[i] = p, c
-        take_slot, take_row = np.full(s, -1, np.int32), np.zeros(s, np.int32)
-        for i, c in enumerate(plan.fresh):
-            take_slot[i], take_row[i] = c.seq.slot, c.seq.prefix_row
+        """The plan's `programs.BlockOps` as padded host arrays, and their shape key: lists of
+        `_MIN_OPS` entries when every list fits (a steady step ships a few hundred bytes),
+        else of ``max_num_seqs``."""
         seqs = plan.row_inits
-        init_slot = np.full(s, -1, np.int32)
-        init_slot[: len(seqs)] = [q.slot for q in seqs]
+        lists = (plan.free_slots, plan.forks, plan.preempted_slots, plan.fresh, seqs)
+        m = _MIN_OPS if max(map(len, lists)) <= _MIN_OPS else self.max_num_seqs
+
+        def slots(values) -> np.ndarray:
+            a = np.full(m, -1, np.int32)
+            a[: len(values)] = values
+            return a
+
+        take_row = np.zeros(m, np.int32)
+        take_row[: len(plan.fresh)] = [c.seq.prefix_row for c in plan.fresh]
+        self._fit_stop_width(seqs)
         if self.tracks_tokens:
             lp = _pow2_at_least(max((len(q.prompt_token_ids) for q in seqs), default=0), 16)
             lo = _pow2_at_least(max((len(q.output_token_ids) for q in seqs), default=0), 16)
-            init_prompt = np.full((s, lp), -1, np.int32)
-            init_out = np.full((s, lo), -1, np.int32)
+            init_prompt = np.full((m, lp), -1, np.int32)
+            init_out = np.full((m, lo), -1, np.int32)
             for i, q in enumerate(seqs):
                 init_prompt[i, : len(q.prompt_token_ids)] = q.prompt_token_ids
                 init_out[i, : len(q.output_token_ids)] = q.output_token_ids
-            key = (lp, lo)
+            key = (m, self.stop_width, lp, lo)
         else:
-            init_prompt, key = None, ()
-            init_out = np.zeros(s, np.int32)
+            init_prompt, key = None, (m, self.stop_width)
+            init_out = np.zeros(m, np.int32)
             init_out[: len(seqs)] = [len(q.output_token_ids) for q in seqs]
         ops = programs.BlockOps(
-            free_mask=free_mask,
-            fork_parent=fork_parent,
-            fork_child=fork_child,
-            preempt_mask=preempt_mask,
-            take_slot=take_slot,
+            free_slots=slots(plan.free_slots),
+            fork_parent=slots([p for p, _ in plan.forks]),
+            fork_child=slots([c for _, c in plan.forks]),
+            preempt_slots=slots(plan.preempted_slots),
+            take_slot=slots([c.seq.slot for c in plan.fresh]),
             take_row=take_row,
-            init_slot=init_slot,
+            init_slot=slots([q.slot for q in seqs]),
             init_out=init_out,
             init_prompt=init_prompt,
+            init_tensors=self._tensors(seqs + [None] * (m - len(seqs)), m),
         )
         return ops, key
 
@@ -389,8 +408,6 @@ class ModelRunner:
             num_new=num_new,
             next_tokens=next_tokens,
         )
-        seqs = [c.seq for c in chunks] + [None] * (b - len(chunks))
-        tensors = self._tensors(seqs, b)
         ntop = self.num_top
         plp_k = self.config.max_logprobs if want_plp else -1  # one variant, sliced on the host
         static = dict(
@@ -399,9 +416,8 @@ class ModelRunner:
             num_top_logprobs=ntop,
             prompt_logprobs_k=plp_k,
         )
-        key = (t, b, ntop, plp_k, tensors.stop_token_ids.shape[1], prompts is not None)
-        key += ops_key
-        args = (self.params, self.state, ops, batch, tensors, self.key, prompts)
+        key = (t, b, ntop, plp_k, prompts is not None) + ops_key
+        args = (self.params, self.state, ops, batch, self.key, prompts)
         self.state, out = self.call("mixed", programs.mixed_step, key, args, static)
         out = jax.device_get(out)
         n = len(chunks)
@@ -428,13 +444,10 @@ class ModelRunner:
         last = np.zeros(b, np.int32)
         row_slot = np.full(b, -1, np.int32)
         active = np.zeros(b, bool)
-        max_len = np.zeros(b, np.int32)
         for r, s in enumerate(seqs):
             last[r] = s.output_token_ids[-1]
             row_slot[r] = s.slot
             active[r] = True
-            max_len[r] = self.max_model_len
-        tensors = self._tensors(seqs + [None] * (b - len(seqs)), b)
         ntop = self.num_top
         static = dict(
             graphdef=self.graphdef,
@@ -442,8 +455,9 @@ class ModelRunner:
             max_steps=self.config.max_decode_steps,
             num_top_logprobs=ntop,
         )
-        key = (b, ntop, tensors.stop_token_ids.shape[1]) + ops_key
-        args = (self.params, self.state, ops, last, row_slot, active, max_len, tensors, self.key)
+        key = (b, ntop) + ops_key
+        max_len = np.int32(self.max_model_len)
+        args = (self.params, self.state, ops, last, row_slot, active, max_len, self.key)
         k = np.int32(plan.decode_steps)
         self.state, out = self.call("decode", programs.decode_loop, key, (*args, k), static)
         out = jax.device_get(out)
@@ -460,32 +474,3 @@ class ModelRunner:
             num_free=int(out.num_free),
             cached=out.cached,
         )
-
-
-@dataclasses.dataclass
-class StepResult:
-    """What one step's program reports, on the host (numpy). ``K`` steps (1 for a mixed step),
-    ``B`` padded rows, row ``r`` < len(plan.chunks) being chunk ``r``'s sequence.
-
-    Attributes:
-      tokens: i32[K, B] sampled tokens (-1 where the row made none); logprobs f32[K, B];
-        ranks i32[K, B]; top_ids i32[K, B, N]; top_logprobs f32[K, B, N].
-      made: i32[R] tokens each chunk's sequence sampled (decode loop: its tokens made).
-      ok: bool[R] the chunk ran (False: the device refused its reservation; nothing ran).
-      num_free: free blocks after the step (evictable cached blocks included).
-      cached: i32[S] tokens each take started from. hits: per looked-up prompt of the plan,
-        (cached tokens, evictable blocks among them); None when nothing was looked up.
-      prompt_lp: the prompt log-probs arrays when the step computed them, else None.
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    ranks: np.ndarray
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
-    made: np.ndarray
-    ok: np.ndarray
-    num_free: int
-    cached: Any = None
-    hits: Any = None
-    prompt_lp: Any = None

@@ -18,12 +18,13 @@ step's tokens to one of its sequences and says whether (and why) the sequence fi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from jax_paged.engine.scheduler import Sequence, SequenceStatus
+from jax_paged.engine.sequence import Sequence, SequenceStatus
 from jax_paged.entrypoints.outputs import (
     CompletionOutput,
     LogprobsDict,
@@ -129,11 +130,16 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.chars_decoded = 0  # characters the incremental detokenizers produced, in all
+        self.requests: dict[str, RequestState] = {}  # the unfinished requests, by id
+        self._seq_ids = itertools.count()  # engine-unique sequence ids, in arrival order
 
-    def new_request(self, request_id, text, ids, params, max_tokens, seq_ids) -> RequestState:
-        """The `RequestState` of an accepted request: ``params.n`` sequences (ids drawn from the
-        iterator ``seq_ids``), each with its own child params, and their outputs."""
-        seqs = [Sequence(next(seq_ids), request_id, list(ids), max_tokens) for _ in range(params.n)]
+    def new_request(self, request_id, text, ids, params, max_tokens) -> RequestState:
+        """Registers an accepted request: its `RequestState` with ``params.n`` sequences, each
+        with its own child params, and their outputs."""
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, list(ids), max_tokens)
+            for _ in range(params.n)
+        ]
         req = RequestState(
             request_id=request_id,
             prompt=text,
@@ -145,7 +151,15 @@ class OutputProcessor:
         )
         for i, s in enumerate(seqs):
             s.params, s.request, s.index = params.child_params(i), req, i
+        self.requests[request_id] = req
         return req
+
+    def fail(self, req: RequestState, message: str) -> RequestOutput:
+        """Ends ``req`` with ``error`` set (its sequences already finished); its last output."""
+        req.error = message
+        req.metrics.finished_time = time.time()
+        self.requests.pop(req.request_id, None)
+        return self.make_output(req)
 
     def new_outputs(self, params: SamplingParams) -> list[SequenceOutput]:
         out = []
@@ -247,6 +261,39 @@ class OutputProcessor:
             so.text = so.detok.text
         if so.stop_at is not None:
             so.text = so.text[: so.stop_at]
+
+    def process(self, plan, result, finish) -> tuple[list[RequestOutput], int]:
+        """Hands each chunk's new tokens of a step (``plan``: `SchedulerOutput`, ``result``:
+        `StepResult`) to `append`, and its prompt log-probs to `record_prompt_logprobs`;
+        ``finish(seq, reason, stop_reason)`` ends a sequence that a token stopped. Returns the
+        outputs of the requests that progressed (the finished ones leave ``requests``) and the
+        number of tokens kept."""
+        progressed: dict[str, RequestState] = {}
+        kept = off = 0
+        for r, c in enumerate(plan.chunks):
+            s, off = c.seq, off + c.length
+            if not result.ok[r]:
+                continue
+            if result.prompt_lp is not None and s.params.prompt_logprobs is not None:
+                self.record_prompt_logprobs(s, c.start, c.length, result.prompt_lp, off - c.length)
+            m = int(result.made[r])
+            if not m:
+                continue
+            arrays = (result.tokens, result.logprobs, result.ranks, result.top_ids)
+            toks, lps, ranks, top_ids = (a[:m, r] for a in arrays)
+            top_lps = result.top_logprobs[:m, r]
+            n, reason = self.append(
+                s, toks.tolist(), lps.tolist(), ranks.tolist(), list(top_ids), list(top_lps)
+            )
+            kept += n
+            if reason is not None:
+                finish(s, *reason)
+                s.request.metrics.finished_time = time.time()
+            progressed[s.request_id] = s.request
+        for req in progressed.values():
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return [self.make_output(req) for req in progressed.values()], kept
 
     def record_prompt_logprobs(self, s, start: int, length: int, plp, off: int) -> None:
         """Adds the prompt log-probs of one prefill chunk (positions ``start:start+length``)

@@ -34,118 +34,21 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax import lax
 
+from jax_paged.engine.device_state import (
+    BlockOps,
+    DeviceState,
+    apply_ops,
+    cache_filled,
+    gather_rows,
+    lookup,
+    row_tensors,
+    scatter_rows,
+)
 from jax_paged.memory import block_manager as bm
 from jax_paged.memory import kv_cache as kvc
-from jax_paged.memory import prefix_cache as pc
 from jax_paged.parallel import sharding
 from jax_paged.sampling import sampler as sampling
 from pallas_kernels import paged_attention
-
-
-@struct.dataclass
-class DeviceState:
-    """Everything that lives on the device between steps.
-
-    Attributes:
-      kv: the K/V pages, ``[L, KVH, N, bs, D]`` each.
-      blocks: block tables, refcounts and free pool (``S`` sequence slots).
-      sampling: per-slot sampling history (``num_generated``, optional penalty counts).
-      tokens: with prefix caching, i32[S, P * bs] each slot's input tokens by position, written
-        by the steps as they compute them, so that every block is added to the prefix cache in
-        the step that fills it (`prefix_cache.cache_new_blocks`); None without caching.
-      found_blocks, found_len: with prefix caching, i32[M, P] and i32[M]: what the last
-        `prepare` found for each prompt it looked up (`prefix_cache.lookup_blocks`), so that
-        admitting them takes those blocks without their tokens crossing again.
-    """
-
-    kv: kvc.KVCache
-    blocks: bm.BlockManagerState
-    sampling: sampling.SamplingState
-    tokens: jax.Array | None = None
-    found_blocks: jax.Array | None = None
-    found_len: jax.Array | None = None
-
-
-def _cache_filled(tokens, blocks, old_blocks, slot, positions, values, write, max_new):
-    """With caching (``tokens`` not None): records ``values`` at (``slot``, ``positions``) where
-    ``write`` and adds the blocks they filled since ``old_blocks`` (the block manager before
-    this step's reservation) to the prefix cache. Returns (tokens, blocks)."""
-    if tokens is None:
-        return None, blocks
-    s = tokens.shape[0]
-    tokens = tokens.at[jnp.where(write, slot, s), positions].set(values, mode="drop")
-    return tokens, pc.cache_new_blocks(blocks, tokens, old_blocks.seq_lens, max_new)
-
-
-@struct.dataclass
-class BlockOps:
-    """What a step does to the state before its forward (`apply_ops`), in this order: free
-    slots, fork, free the slots the plan preempted, start admitted sequences from the prefix
-    cache, (re)start sampling rows. Host-built; padding entries are -1 (False in the masks).
-
-    Attributes:
-      free_mask: bool[S] slots to free first (finished, aborted, refused, preempted before).
-      fork_parent, fork_child: i32[S] slot pairs: the child shares all the parent's blocks
-        (and, with caching, its token row). A child's slot may be one freed just before.
-      preempt_mask: bool[S] slots of the sequences this plan preempted, freed after the forks
-        (a parent forked in this step may be one of them: its child keeps the blocks).
-      take_slot, take_row: i32[S]: slot ``take_slot[i]`` starts from the blocks the last
-        lookup found for its row ``take_row[i]`` (`prefix_cache.take_prefix`).
-      init_slot: i32[S] slots whose sampling row (re)starts.
-      init_out: i32[S] tokens each of them has generated or, when the sampling state tracks
-        tokens (penalties), i32[S, Lo] those tokens, -1 padded.
-      init_prompt: with tracked tokens, i32[S, Lp] each prompt, -1 padded; else None.
-    """
-
-    free_mask: jax.Array
-    fork_parent: jax.Array
-    fork_child: jax.Array
-    preempt_mask: jax.Array
-    take_slot: jax.Array
-    take_row: jax.Array
-    init_slot: jax.Array
-    init_out: jax.Array
-    init_prompt: jax.Array | None = None
-
-
-def apply_ops(state: DeviceState, ops: BlockOps) -> tuple[DeviceState, jax.Array]:
-    """Applies ``ops`` (see `BlockOps`). Returns (state, cached tokens i32[S] per take)."""
-    blocks = bm.free(state.blocks, ops.free_mask)
-    blocks, _ = bm.fork(blocks, ops.fork_parent, ops.fork_child)
-    tokens = state.tokens
-    if tokens is not None:
-        s = tokens.shape[0]
-        pair = (ops.fork_parent >= 0) & (ops.fork_child >= 0)
-        src = tokens[jnp.clip(ops.fork_parent, 0, s - 1)]
-        tokens = tokens.at[jnp.where(pair, ops.fork_child, s)].set(src, mode="drop")
-    blocks = bm.free(blocks, ops.preempt_mask)
-    if state.found_blocks is None:  # no prefix caching: nothing can have been found
-        cached = jnp.zeros(ops.take_slot.shape, jnp.int32)
-    else:
-        cand, matched = state.found_blocks[ops.take_row], state.found_len[ops.take_row]
-        blocks, cached, _ = pc.take_prefix(blocks, ops.take_slot, cand, matched)
-    samp = state.sampling
-    if ops.init_prompt is not None:
-        samp = sampling.set_rows(samp, ops.init_slot, ops.init_prompt, ops.init_out)
-    else:
-        b = samp.num_generated.shape[0]
-        idx = jnp.where((ops.init_slot >= 0) & (ops.init_slot < b), ops.init_slot, b)
-        gen = samp.num_generated.at[idx].set(ops.init_out, mode="drop")
-        samp = dataclasses.replace(samp, num_generated=gen)
-    return state.replace(blocks=blocks, tokens=tokens, sampling=samp), cached
-
-
-def lookup(state: DeviceState, prompts) -> tuple[DeviceState, Any]:
-    """Looks the ``prompts`` (i32[M, K] tokens, i32[M] lengths; 0 = padding) up in the prefix
-    cache without taking anything, and keeps what it found (``found_blocks``, ``found_len``)
-    for the next step's takes (nothing evicts before them: only a reservation does). Returns
-    (state, (cached tokens i32[M], evictable blocks among them i32[M])), or (state, None)
-    when ``prompts`` is None."""
-    if prompts is None:
-        return state, None
-    cand, matched = pc.lookup_blocks(state.blocks, *prompts)
-    hits = pc.prefix_hits(state.blocks, cand, matched)
-    return state.replace(found_blocks=cand, found_len=matched), hits
 
 
 @struct.dataclass
@@ -194,21 +97,6 @@ class AttentionOptions:
     interpret: bool = False
     drop_window: int | None = None
     mesh: Any = None
-
-
-def _gather_rows(tree, idx):
-    """Rows ``idx`` of every [S, ...] leaf (idx clipped; padding rows read slot 0)."""
-    return jax.tree.map(lambda a: a[jnp.clip(idx, 0, a.shape[0] - 1)], tree)
-
-
-def _scatter_rows(tree, rows, idx, valid):
-    """Writes ``rows`` back at ``idx`` where ``valid`` (others dropped)."""
-
-    def put(a, r):
-        i = jnp.where(valid, idx, a.shape[0])
-        return a.at[i].set(r, mode="drop")
-
-    return jax.tree.map(put, tree, rows)
 
 
 def _copy_on_write(kv, res: bm.Reservation):
@@ -268,7 +156,7 @@ class StepOutput(struct.PyTreeNode):
     top_logprobs: jax.Array  # f32[B, N]
     num_free: jax.Array  # i32[] free blocks after the step
     ok: jax.Array  # bool[B] the row's reservation succeeded (False: nothing ran for it)
-    cached: jax.Array  # i32[S] tokens each take started from (`apply_ops`)
+    cached: jax.Array  # i32[M] tokens each take started from (`apply_ops`)
     hits: Any = None  # (i32[M], i32[M]) what the lookup after the step found, or None
     prompt_lp: Any = None  # (f32[T], i32[T], i32[T, K], f32[T, K]) or None
 
@@ -283,7 +171,6 @@ def mixed_step(
     state: DeviceState,
     ops: BlockOps,
     batch: MixedBatch,
-    tensors: sampling.SamplingTensors,
     key: jax.Array,
     prompts=None,
     *,
@@ -293,7 +180,8 @@ def mixed_step(
     prompt_logprobs_k: int = -1,
     greedy_only: bool = False,
 ) -> tuple[DeviceState, StepOutput]:
-    """One step over a ragged batch; ``tensors`` has one row per batch row.
+    """One step over a ragged batch, each row sampled with its slot's parameters
+    (`DeviceState.rows`).
 
     Order on the device: the block ops (`apply_ops`: free, fork, take prefix hits, set
     sampling rows); reserve ``num_new`` tokens per slot (copy-on-write applied to the pages);
@@ -328,16 +216,17 @@ def mixed_step(
         prompt_lp = sampling.compute_prompt_logprobs(logits, safe_next, prompt_logprobs_k)
         logits = logits[batch.last_idx]
 
-    rows = _gather_rows(state.sampling, safe_slot)
+    rows = gather_rows(state.sampling, safe_slot)
+    tensors = row_tensors(state, row_slot)
     out = sampling.sample(
         logits, tensors, rows, key, num_top_logprobs=num_top_logprobs, greedy_only=greedy_only
     )
     active = row_valid & batch.samples & res.ok[safe_slot]
     rows = sampling.update_counts(rows, out.tokens, active)
-    samp = _scatter_rows(state.sampling, rows, row_slot, active)
+    samp = scatter_rows(state.sampling, rows, row_slot, active)
     written = (tok_slot >= 0) & res.ok[jnp.clip(tok_slot, 0)]
     t, bs = batch.tokens.shape[0], blocks.block_size
-    tokens, blocks = _cache_filled(
+    tokens, blocks = cache_filled(
         state.tokens, blocks, before, tok_slot, batch.positions, batch.tokens, written, t // bs + 1
     )
     if opts.drop_window is not None:  # all of them: a prefix-cache hit may bring many
@@ -368,7 +257,7 @@ class DecodeOutput(struct.PyTreeNode):
     top_logprobs: jax.Array  # f32[K, B, N]
     num_steps: jax.Array  # i32[] steps run
     num_free: jax.Array  # i32[]
-    cached: jax.Array  # i32[S] tokens each take started from (`apply_ops`)
+    cached: jax.Array  # i32[M] tokens each take started from (`apply_ops`)
 
 
 def decode_step(
@@ -411,13 +300,13 @@ def decode_step(
     kv_lens = jnp.where(ok, blocks.seq_lens[safe_slot], 0)
     attn = paged_attn(opts, slots, block_tables, kv_lens)
     logits, kv = model.forward(last_tokens[None], jnp.maximum(positions, 0)[None], attn, kv)
-    rows = _gather_rows(state.sampling, safe_slot)
+    rows = gather_rows(state.sampling, safe_slot)
     out = sampling.sample(
         logits[0], tensors, rows, key, num_top_logprobs=num_top_logprobs, greedy_only=greedy_only
     )
     rows = sampling.update_counts(rows, out.tokens, ok)
-    samp = _scatter_rows(state.sampling, rows, row_slot, ok)
-    tokens, blocks = _cache_filled(
+    samp = scatter_rows(state.sampling, rows, row_slot, ok)
+    tokens, blocks = cache_filled(
         state.tokens, blocks, state.blocks, row_slot, positions, last_tokens, ok, 1
     )
     if opts.drop_window is not None:  # one token more: at most one more block out of it
@@ -438,7 +327,6 @@ def decode_loop(
     row_slot: jax.Array,
     active: jax.Array,
     max_len: jax.Array,
-    tensors: sampling.SamplingTensors,
     key: jax.Array,
     num_steps: jax.Array,
     *,
@@ -449,14 +337,16 @@ def decode_loop(
     greedy_only: bool = False,
 ) -> tuple[DeviceState, DecodeOutput]:
     """The block ops (`apply_ops`), then up to ``num_steps`` (<= ``max_steps``) decode steps
-    on the device, no host round trip.
+    on the device, no host round trip, each row sampled with its slot's parameters
+    (`DeviceState.rows`).
 
     A row stops after sampling a stop token (EOS unless ignore_eos, its stop_token_ids), on
-    reaching its max_tokens, or when its sequence reaches ``max_len[b]`` tokens (i32[B]). The
+    reaching its max_tokens, or when its sequence reaches ``max_len`` tokens (i32[]). The
     loop ends early when no row is active. Stop strings are the host's business.
     """
     model = nnx.merge(graphdef, params)
     state, cached = apply_ops(state, ops)
+    tensors = row_tensors(state, jnp.where(active, row_slot, -1))
     b = last_tokens.shape[0]
     n = num_top_logprobs
     out0 = DecodeOutput(
@@ -490,7 +380,7 @@ def decode_loop(
         )
         i = out.num_steps
         seq_len = state.blocks.seq_lens[jnp.clip(row_slot, 0, state.blocks.max_seqs - 1)]
-        rows = _gather_rows(state.sampling, row_slot)
+        rows = gather_rows(state.sampling, row_slot)
         stop = (
             sampling.is_stop_token(tensors, smp.tokens)
             | sampling.reached_max_tokens(tensors, rows)
@@ -518,7 +408,7 @@ def prepare(state: DeviceState, ops: BlockOps, prompts=None):
     token tracking for running rows. Neither reads nor writes the K/V pages.
 
     Returns:
-      (state, free blocks i32[], cached tokens i32[S] per take, the lookup's hits or None).
+      (state, free blocks i32[], cached tokens i32[M] per take, the lookup's hits or None).
     """
     state, cached = apply_ops(state, ops)
     state, hits = lookup(state, prompts)

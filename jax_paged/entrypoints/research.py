@@ -60,7 +60,7 @@ from flax import nnx, struct
 
 from jax_paged.engine import programs
 from jax_paged.engine.config import KV_CACHE_DTYPES
-from jax_paged.engine.scheduler import blocks_for
+from jax_paged.engine.sequence import blocks_for
 from jax_paged.entrypoints.sampling_params import SamplingParams
 from jax_paged.memory import block_manager as bm
 from jax_paged.parallel import sharding as shard

@@ -58,7 +58,7 @@ _INT32_MAX = np.iinfo(np.int32).max
 class SamplingTensors:
     """Per-row sampling parameters of a batch of ``B`` rows (vocabulary size ``V``).
 
-    Build with `from_params`; all fields are device arrays.
+    Build with `from_params`; all fields are device arrays (numpy with ``on_host=True``).
 
     Attributes:
       temperature: f32[B]; 0 for greedy rows.
@@ -108,6 +108,7 @@ class SamplingTensors:
         request_uids: Sequence[int | None] | None = None,
         pad_to: int | None = None,
         stop_width: int | None = None,
+        on_host: bool = False,
     ) -> SamplingTensors:
         """Builds the tensors on the host, one row per entry of ``params``.
 
@@ -123,6 +124,8 @@ class SamplingTensors:
           stop_width: K, the width of ``stop_token_ids`` (a static shape: fix it to keep the
             number of compiled variants small). Default: the smallest power of two >= 4 that
             fits every row.
+          on_host: keep the fields as numpy arrays (they then cross to the device with the
+            call that takes them, counted with its other inputs).
         """
         if vocab_size < 1:
             raise ValueError(f"{vocab_size=} must be >= 1")
@@ -201,21 +204,22 @@ class SamplingTensors:
         for i, s in enumerate(stops):
             stop_ids[i, : len(s)] = s
 
+        put = (lambda a: a) if on_host else jnp.asarray
         return cls(
-            temperature=jnp.asarray(temperature),
-            top_k=jnp.asarray(top_k),
-            top_p=jnp.asarray(top_p),
-            min_p=jnp.asarray(min_p),
-            presence_penalty=jnp.asarray(presence),
-            frequency_penalty=jnp.asarray(frequency),
-            repetition_penalty=jnp.asarray(repetition),
-            min_tokens=jnp.asarray(min_tokens),
-            max_tokens=jnp.asarray(max_tokens),
-            stop_token_ids=jnp.asarray(stop_ids),
-            seed_key=jnp.asarray(seed_key),
-            has_seed=jnp.asarray(has_seed),
-            request_uid=jnp.asarray(request_uid),
-            num_logprobs=jnp.asarray(num_logprobs),
+            temperature=put(temperature),
+            top_k=put(top_k),
+            top_p=put(top_p),
+            min_p=put(min_p),
+            presence_penalty=put(presence),
+            frequency_penalty=put(frequency),
+            repetition_penalty=put(repetition),
+            min_tokens=put(min_tokens),
+            max_tokens=put(max_tokens),
+            stop_token_ids=put(stop_ids),
+            seed_key=put(seed_key),
+            has_seed=put(has_seed),
+            request_uid=put(request_uid),
+            num_logprobs=put(num_logprobs),
         )
 
     @property
