@@ -43,9 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged.backend import argmax_last
 from jax_paged.entrypoints.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jax_paged.entrypoints.sampling_params import SamplingParams
-from models.llama import argmax_last, dense_attention, prepare_layer_weights
+from models.llama import dense_attention, prepare_layer_weights
 
 __all__ = ["ContiguousEngine", "kv_bytes_per_token"]
 

@@ -22,14 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged.backend import argmax_last
 from models.config import ModelConfig
-from models.llama import (
-    AttentionFn,
-    Transformer,
-    argmax_last,
-    dense_attention,
-    prepare_layer_weights,
-)
+from models.llama import AttentionFn, Transformer, dense_attention, prepare_layer_weights
 
 
 def make_contiguous_cache_attention(config: ModelConfig, positions: jax.Array) -> AttentionFn:
