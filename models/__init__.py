@@ -12,7 +12,6 @@ from models.gemma import Gemma3
 from models.llama import (
     AttentionFn,
     Transformer,
-    argmax_last,
     dense_attention,
     make_dense_attention,
 )
@@ -44,7 +43,6 @@ __all__ = [
     "PagedModelConfig",
     "Tokenizer",
     "Transformer",
-    "argmax_last",
     "check_model",
     "default_model_path",
     "dense_attention",

@@ -50,12 +50,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.layer_weights import layer_at
 from models.llama import (
     MLP,
     Attention,
     AttentionFn,
     Transformer,
-    layer_at,
     rope_cos_sin,
 )
 

@@ -21,10 +21,12 @@ is addressed by that index and updated in place, never sliced per layer. Paramet
 HF's with the layer index moved into the leading axis (`layers.self_attn.q_proj.kernel[i]` is
 HF's `model.layers.{i}.self_attn.q_proj.weight`, transposed).
 
-On a CPU the engine hands `forward` the same parameters with each stacked kernel split into L
-arrays (`split_layer_weights`): XLA's CPU dots cannot read a slice of the stack in place and
-copied every kernel once per layer per step. The layer body stays one scanned copy; only its
-dots dispatch on the layer index (`LayerSwitch`).
+`Transformer` sets ``per_layer_weights = True``: it reads its layers through
+`models.layer_weights` (`layer_at`, `Linear`), so on a CPU the engine may hand `forward` the same
+parameters with each stacked kernel split into L arrays (`jax_paged.backend.prepare_params`,
+`models.layer_weights.split_layer_weights`): XLA's CPU dots cannot read a slice of the stack in
+place and copied every kernel once per layer per step. The layer body stays one scanned copy;
+only its dots dispatch on the layer index (`models.layer_weights.LayerSwitch`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.layer_weights import Linear, layer_at
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -87,30 +90,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------------------------
 # Attention functions
-
-
-_ARGMAX_BLOCK = 256
-
-
-def argmax_last(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, axis=-1)`` as i32, in two levels: the block of `_ARGMAX_BLOCK` entries
-    holding the maximum, then the entry inside it. Ties go to the lowest index; a NaN counts as
-    +inf (XLA's CPU max does not reliably propagate NaNs, so they are made explicit).
-
-    On the CPU XLA lowers argmax to a (value, index) reduction that runs about 30x slower than
-    a plain max: at [64, 49152] logits 7.5 ms against 0.25 ms here, 6% of a decode step.
-    """
-    *lead, v = x.shape
-    x = jnp.where(jnp.isnan(x), jnp.asarray(jnp.inf, x.dtype), x)
-    nb = -(-v // _ARGMAX_BLOCK)
-    pad = nb * _ARGMAX_BLOCK - v
-    if pad:
-        fill = jnp.asarray(-jnp.inf, x.dtype)
-        x = jnp.concatenate([x, jnp.full((*lead, pad), fill, x.dtype)], axis=-1)
-    xb = x.reshape(*lead, nb, _ARGMAX_BLOCK)
-    blk = jnp.argmax(jnp.max(xb, axis=-1), axis=-1).astype(jnp.int32)  # [...]
-    inner = jnp.take_along_axis(xb, blk[..., None, None], axis=-2)[..., 0, :]  # [..., BLOCK]
-    return blk * _ARGMAX_BLOCK + jnp.argmax(inner, axis=-1).astype(jnp.int32)
 
 
 def dense_attention(
@@ -184,107 +163,6 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Per-layer weights: stacked kernels as separate arrays, for XLA's CPU backend
-
-
-@jax.tree_util.register_pytree_node_class
-class PerLayer:
-    """A stacked ``[L, ...]`` parameter held as ``L`` separate arrays (`split_layer_weights`)."""
-
-    def __init__(self, arrays):
-        self.arrays = tuple(arrays)
-
-    def tree_flatten(self):
-        return self.arrays, None
-
-    @classmethod
-    def tree_unflatten(cls, _, arrays):
-        return cls(arrays)
-
-
-class LayerSwitch:
-    """Layer ``index``'s kernel of a `PerLayer` parameter inside the layer scan. `Linear`
-    multiplies by it through a ``lax.switch`` over the layers, each branch's dot reading its
-    own layer's array in place."""
-
-    def __init__(self, arrays: tuple[jax.Array, ...], index: jax.Array | int):
-        self.arrays, self.index = arrays, index
-
-    def matmul(self, x: jax.Array, dtype) -> jax.Array:
-        """x[..., K] @ kernel[K, N] -> [..., N] in ``dtype``."""
-
-        def branch(w):
-            return lambda x: jnp.matmul(x.astype(dtype), w.astype(dtype))
-
-        if not isinstance(self.index, jax.core.Tracer):  # a known layer: no switch
-            return branch(self.arrays[int(self.index)])(x)
-        return jax.lax.switch(self.index, [branch(w) for w in self.arrays], x)
-
-
-def layer_at(layer_params: Any, i: jax.Array | int) -> Any:
-    """Layer ``i``'s parameters (``i``: i32[] or int) out of the stacked ones: a dynamic index
-    into each ``[L, ...]`` array, a `LayerSwitch` for each `PerLayer` kernel."""
-
-    def pick(a):
-        if isinstance(a, PerLayer):
-            return LayerSwitch(a.arrays, i)
-        return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-
-    return jax.tree.map(pick, layer_params, is_leaf=lambda a: isinstance(a, PerLayer))
-
-
-def split_layer_weights(state: Any) -> Any:
-    """``state`` (a model's, from `nnx.split`) with every stacked layer kernel
-    (``layers.*.kernel``, ``[L, in, out]``) held as ``L`` separate arrays (`PerLayer`); the
-    small stacked parameters (norms, biases) stay as they are. Costs a second copy of those
-    kernels while the stacked ones are still referenced.
-
-    Why: inside the layer scan a stacked kernel is a dynamic slice, and XLA's CPU backend
-    copies it into a fresh buffer before every dot (its dots read whole buffers): 424 MB per
-    forward for SmolLM2-135M, about 60 ms on 2 cores whatever the batch, more than the whole
-    decode attention at batch 8. A `LayerSwitch` dot reads its layer's own buffer instead,
-    while the layer body stays one scanned copy (compile time still flat in depth).
-    """
-
-    def split(path, a):
-        top = getattr(path[0], "key", None) if path else None
-        last = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-        if top == "layers" and "kernel" in last and getattr(a, "ndim", 0) == 3:
-            return PerLayer(a[i] for i in range(a.shape[0]))
-        return a
-
-    return jax.tree_util.tree_map_with_path(split, state)
-
-
-def prepare_layer_weights(model: Any, state: Any, mesh: Any = None) -> Any:
-    """``state`` (``model``'s, from `nnx.split`) as the compiled programs read it fastest: its
-    layer kernels split (`split_layer_weights`) when ``model`` is a `Transformer` and the state
-    lives on one CPU device; unchanged on a mesh, a GPU or a TPU (not measured there) and for
-    other models. Either form runs the same `Transformer.forward`."""
-    leaves = jax.tree.leaves(state)
-    if not isinstance(model, Transformer) or mesh is not None or not leaves:
-        return state
-    if not hasattr(leaves[0], "devices"):
-        return state
-    if all(d.platform == "cpu" for d in leaves[0].devices()):
-        return split_layer_weights(state)
-    return state
-
-
-class Linear(nnx.Linear):
-    """`nnx.Linear` whose kernel may also be a `LayerSwitch` (see `split_layer_weights`)."""
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        kernel = self.kernel.get_value()
-        if not isinstance(kernel, LayerSwitch):
-            return super().__call__(inputs)
-        y = kernel.matmul(inputs, self.dtype or jnp.result_type(inputs, kernel.arrays[0]))
-        if self.bias is not None:
-            y = y + self.bias[...].astype(y.dtype)
-        return y
 
 
 def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> Linear:
@@ -385,11 +263,12 @@ class Transformer(nnx.Module):
     norm subclasses it (``layer_cls``, ``norm_cls``; `models.gemma.Gemma3`) and may override
     `forward`, keeping the embedding, the stacked layers and the LM head (`lm_logits`); its
     forward takes each layer's parameters with `layer_at`, so that split kernels
-    (`split_layer_weights`) work there too.
+    (`models.layer_weights.split_layer_weights`) work there too.
     """
 
     layer_cls = DecoderLayer
     norm_cls = RMSNorm
+    per_layer_weights = True  # reads split kernels too (models.protocol, models.layer_weights)
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config

@@ -24,6 +24,13 @@ user-written one) when it has:
 - Its parameters are its NNX state: the engine calls `nnx.split(model)` and jits
   `nnx.merge(graphdef, params).forward(...)` (so no Python side effects in `forward`).
 
+Optional: ``per_layer_weights = True`` (a class attribute, a bool; absent means False) declares
+that the model stacks its layers in ``model.layers`` (every parameter with a leading ``[L]``
+axis) and reads them only through `models.layer_weights` (`layer_at` for a layer's parameters,
+`models.layer_weights.Linear` for its kernels), so its forward also runs on the split form of its
+parameters (`models.layer_weights.split_layer_weights`). On one CPU device the engine then holds
+that form (`jax_paged.backend.prepare_params`); `models.Transformer` sets it.
+
 What a model may ignore: KV caches, blocks, batching and sampling. But the engine flattens a
 ragged batch of many sequences into one row (B == 1, T tokens of several sequences, each
 token at its own position), so apart from ``attn`` a forward must treat every token on its own
@@ -49,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.layer_weights import LAYERS
 from models.loading import GenerationConfig, LoadedModel
 
 # The integer config fields the engine reads (and num_heads, checked against num_kv_heads).
@@ -90,6 +98,8 @@ class PagedModel(Protocol):
         positions i32[B, T], ``attn`` an `AttentionFn`, ``kv`` threaded through every layer,
         logits f32[B, T, V] (f32[B, R, V] for ``logits_indices`` i32[R]). A ``Callable`` type
         cannot name keyword-only parameters: `check_model` checks them.
+
+    Optional, so not a member here: ``per_layer_weights`` (a bool, see the module docstring).
     """
 
     config: PagedModelConfig
@@ -168,6 +178,18 @@ def _forward_problems(model: Any) -> list[str]:
     return []
 
 
+def _per_layer_problems(model: Any) -> list[str]:
+    flag = getattr(model, "per_layer_weights", False)
+    if not isinstance(flag, bool):
+        return [f"model.per_layer_weights={flag!r} must be a bool"]
+    if flag and not hasattr(model, LAYERS):
+        return [
+            f"model.per_layer_weights is True but model has no {LAYERS!r} (the stacked layers "
+            "whose kernels are split, see models.layer_weights)"
+        ]
+    return []
+
+
 def check_model(model: Any) -> None:
     """Raises `ModelProtocolError` (a TypeError) naming every part of `PagedModel` that
     ``model`` lacks or gets wrong; returns None for a model the engine can run."""
@@ -195,6 +217,7 @@ def check_model(model: Any) -> None:
             if not jnp.issubdtype(dt, jnp.floating):
                 problems.append(f"model.dtype={dt} must be a floating dtype")
     problems += _forward_problems(model)
+    problems += _per_layer_problems(model)
     if problems:
         raise ModelProtocolError(
             f"{type(model).__name__} does not satisfy models.PagedModel: " + "; ".join(problems)

@@ -40,7 +40,7 @@ that every system generates exactly B x max_tokens tokens. Per batch size:
    rounds of (dense step + that floor) / the slowest pool's step.
 2. ``dense_bound``: the model's own jitted dense forward ``loaded.model(tokens[B, 1])`` (one
    token per sequence, no cache, LM head included), on the weights as the engine holds them
-   (`models.llama.prepare_layer_weights`: per-layer kernels on a CPU), best of 5 after a warm-up:
+   (`jax_paged.backend.prepare_params`: per-layer kernels on a CPU), best of 5 after a warm-up:
    ``tokens_per_s`` = B / step time. ``paged_share_of_bound`` = end-to-end paged tokens/s
    (prefill included) / that; ``decode_share_of_bound`` = the decode phase alone (tokens made
    in decode loops over the time inside them, ``paged_decode_tokens_per_s``) / that (goal >=
@@ -107,8 +107,8 @@ from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
 from jax_paged import LLM, SamplingParams  # noqa: E402
+from jax_paged.backend import prepare_params  # noqa: E402
 from jax_paged.engine.config import KV_CACHE_DTYPES  # noqa: E402
-from models.llama import prepare_layer_weights  # noqa: E402
 
 DEFAULTS = dict(
     batch_sizes="8,32,64", max_tokens=64, repeats=3, pools="64,1GiB,4GiB", pool_rounds=9
@@ -289,7 +289,7 @@ def native_kernel_report() -> dict | None:
 
 def make_dense_step(model):
     graphdef, state = nnx.split(model)
-    state = prepare_layer_weights(model, state)  # the weights as the engine holds them
+    state = prepare_params(model, state)  # the weights as the engine holds them
 
     @jax.jit
     def step(state, tokens):

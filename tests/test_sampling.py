@@ -469,7 +469,7 @@ def test_from_params_layout_and_errors():
 def test_argmax_last_matches_argmax(vocab):
     """The two-level argmax equals argmax with NaN read as +inf: ties go to the lowest index,
     rows of -inf to 0, at vocabulary sizes below, at and past one block, and uneven."""
-    from models import argmax_last
+    from jax_paged.backend import argmax_last
 
     rng = np.random.default_rng(vocab)
     x = rng.integers(-3, 3, (9, vocab)).astype(np.float32)  # many ties

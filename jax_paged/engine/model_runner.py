@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged import backend
 from jax_paged.engine import programs
 from jax_paged.engine.config import kv_dtype
 from jax_paged.engine.sequence import SchedulerOutput, Sequence, StepResult, blocks_for
 from jax_paged.memory import block_manager as bm
 from jax_paged.parallel import sharding as shard
 from jax_paged.sampling import sampler as sampling
-from models.llama import prepare_layer_weights
 
 logger = logging.getLogger("jax_paged")
 
@@ -85,7 +85,7 @@ class ModelRunner:
         if mesh is not None:
             self.params = shard.shard_params(self.params, mesh)
         # On a CPU, each layer's kernels as separate arrays: no copy of them per step.
-        self.params = prepare_layer_weights(model, self.params, mesh)
+        self.params = backend.prepare_params(model, self.params, mesh)
         self.dtype = model.dtype
         self.kv_dtype = kv_dtype(config, model.dtype)
         self.vocab_size = mc.vocab_size

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax import lax
 
+from jax_paged.backend import paged_attention
 from jax_paged.engine.device_state import (
     BlockOps,
     DeviceState,
@@ -48,7 +49,6 @@ from jax_paged.memory import block_manager as bm
 from jax_paged.memory import kv_cache as kvc
 from jax_paged.parallel import sharding
 from jax_paged.sampling import sampler as sampling
-from pallas_kernels import paged_attention
 
 
 @struct.dataclass

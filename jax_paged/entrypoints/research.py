@@ -15,9 +15,10 @@ methods are pure functions of ``(params, state)``, so they go inside your own ``
 
     state, tokens = run(params, state)                    # tokens: i32[64, B]
 
-``dec.params`` is ``nnx.split(model)``'s state, except that on one CPU device a `Transformer`'s
-layer kernels are held per layer (`models.llama.split_layer_weights`, about 1.4x faster decode
-at batch 8); ``nnx.state(model)`` works as well, at the stacked form's speed.
+``dec.params`` is ``nnx.split(model)``'s state, except that on one CPU device the layer kernels
+of a model with ``per_layer_weights`` (`models.Transformer`) are held per layer
+(`jax_paged.backend.prepare_params`, about 1.4x faster decode at batch 8); ``nnx.state(model)``
+works as well, at the stacked form's speed.
 
 Blocks are allocated inside ``decode_step`` as sequences cross block boundaries, from a pool
 sized by default so that every row can reach ``max_len``. A row stops (its tokens become -1)
@@ -58,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jax_paged import backend
 from jax_paged.engine import programs
 from jax_paged.engine.config import KV_CACHE_DTYPES
 from jax_paged.engine.sequence import blocks_for
@@ -65,7 +67,6 @@ from jax_paged.entrypoints.sampling_params import SamplingParams
 from jax_paged.memory import block_manager as bm
 from jax_paged.parallel import sharding as shard
 from jax_paged.sampling import sampler as sampling
-from models.llama import prepare_layer_weights
 from models.protocol import check_model
 
 
@@ -182,7 +183,7 @@ class PagedDecoder:
         self.graphdef, self.params = nnx.split(model)
         if mesh is not None:
             self.params = shard.shard_params(self.params, mesh)
-        self.params = prepare_layer_weights(model, self.params, mesh)  # CPU: per-layer kernels
+        self.params = backend.prepare_params(model, self.params, mesh)  # CPU: per-layer kernels
         self.config = c = model.config
         self.dtype = model.dtype
         if kv_cache_dtype not in KV_CACHE_DTYPES:

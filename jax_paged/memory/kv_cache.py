@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_paged import backend
 from pallas_kernels import cpu_paged_attention as cpu_kernels
 
 
@@ -133,23 +134,9 @@ def scatter(cache: KVCache, layer, k: jax.Array, v: jax.Array, slots: jax.Array)
 
 def _scatter_rows(pages: jax.Array, layer, blk, off, rows: jax.Array) -> jax.Array:
     """``pages.at[layer, :, blk, off].set(rows, mode="drop")``, in place."""
-    if _native_updates(pages):
+    if backend.native_kv_updates(pages):
         return cpu_kernels.write_rows(pages, layer, blk, off, rows)
     return pages.at[layer, :, blk, off].set(rows.astype(pages.dtype), mode="drop")
-
-
-def _native_updates(pages: jax.Array) -> bool:
-    """Whether the pool's updates go through the native CPU library: a bfloat16 pool on one CPU
-    device. XLA's CPU backend has no bfloat16 scatter and widens the whole pool to float32
-    around each one (three pool-sized passes per layer and step); float32 and float16
-    scatters, and every other backend's, are in place already. A cache sharded over several
-    devices stays with XLA (the custom calls have no sharding rule)."""
-    return (
-        pages.dtype == jnp.bfloat16
-        and jax.default_backend() == "cpu"
-        and jax.device_count() == 1
-        and cpu_kernels.available()
-    )
 
 
 write = jax.jit(scatter, donate_argnums=0)
@@ -168,7 +155,7 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     # Gather all sources first, then scatter: chains (a->b, b->c) copy the old contents.
     # Padding pairs (0, 0) rewrite the null block with itself.
     def copy(pages):
-        if _native_updates(pages):
+        if backend.native_kv_updates(pages):
             return cpu_kernels.copy_pages(pages, src, dst)
         return pages.at[:, :, dst].set(pages[:, :, src])
 

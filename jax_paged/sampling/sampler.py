@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_paged.backend import argmax_last
 from jax_paged.entrypoints.sampling_params import SamplingParams
 from jax_paged.sampling.logit_processing import (
     apply_penalties,
@@ -47,7 +48,6 @@ from jax_paged.sampling.logit_processing import (
 
 # Re-exported: the runner calls sampling.compute_prompt_logprobs.
 from jax_paged.sampling.logit_processing import compute_prompt_logprobs as compute_prompt_logprobs
-from models.llama import argmax_last
 
 _KEY_IMPL = "threefry2x32"
 _INT32_MAX = np.iinfo(np.int32).max

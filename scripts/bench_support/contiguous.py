@@ -43,9 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged.backend import argmax_last, prepare_params
 from jax_paged.entrypoints.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jax_paged.entrypoints.sampling_params import SamplingParams
-from models.llama import argmax_last, dense_attention, prepare_layer_weights
+from models.llama import dense_attention
 
 __all__ = ["ContiguousEngine", "kv_bytes_per_token"]
 
@@ -226,7 +227,7 @@ class ContiguousEngine:
             self.eos_token_ids = [int(tok.eos_token_id)]
         self.graphdef, self.state = nnx.split(loaded.model)
         # The weights as the paged engine holds them (on a CPU: per-layer kernels).
-        self.state = prepare_layer_weights(loaded.model, self.state)
+        self.state = prepare_params(loaded.model, self.state)
         shape = (cfg.num_layers, self.num_rows, self.max_model_len, cfg.num_kv_heads, cfg.head_dim)
         self.kv = (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
         self.waiting: list[_Req] = []

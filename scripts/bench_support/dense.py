@@ -22,14 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_paged.backend import argmax_last, prepare_params
 from models.config import ModelConfig
-from models.llama import (
-    AttentionFn,
-    Transformer,
-    argmax_last,
-    dense_attention,
-    prepare_layer_weights,
-)
+from models.llama import AttentionFn, Transformer, dense_attention
 
 
 def make_contiguous_cache_attention(config: ModelConfig, positions: jax.Array) -> AttentionFn:
@@ -106,7 +101,7 @@ def greedy_generate(
     shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
     kv = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
     graphdef, state = nnx.split(model)
-    state = prepare_layer_weights(model, state)  # on a CPU, as the engine holds them
+    state = prepare_params(model, state)  # on a CPU, as the engine holds them
 
     nxt, kv = _forward_step(graphdef, state, tokens, positions, kv)
     out = [[] for _ in range(b)]

@@ -1,0 +1,108 @@
+"""Stacked layer kernels held as one array per layer, for any model whose layers run under a scan.
+
+A model that stacks its layers (every parameter of ``model.layers`` has a leading ``[L]`` axis)
+and scans over them reads layer ``i``'s parameters with `layer_at(layer_params, i)` and
+multiplies by its kernels through `Linear`. Such a model runs unchanged on either form of its
+parameters: the stacked one, or the one `split_layer_weights` makes, where each
+``layers.*.kernel`` ``[L, in, out]`` is a `PerLayer` of ``L`` separate arrays and `layer_at`
+hands `Linear` a `LayerSwitch` (a ``lax.switch`` over the layers, each branch's dot reading
+its own layer's array in place).
+
+A model declares that it reads the split form by the class attribute
+``per_layer_weights = True`` (see `models.protocol`); `jax_paged.backend.prepare_params`
+decides when to hand it that form (on one CPU device, where it avoids a copy of every kernel
+per layer per step). Nothing here knows a model family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# The attribute of the model (and the top key of its state) that holds the stacked layers.
+LAYERS = "layers"
+
+
+@jax.tree_util.register_pytree_node_class
+class PerLayer:
+    """A stacked ``[L, ...]`` parameter held as ``L`` separate arrays (`split_layer_weights`)."""
+
+    def __init__(self, arrays):
+        self.arrays = tuple(arrays)
+
+    def tree_flatten(self):
+        return self.arrays, None
+
+    @classmethod
+    def tree_unflatten(cls, _, arrays):
+        return cls(arrays)
+
+
+class LayerSwitch:
+    """Layer ``index``'s kernel of a `PerLayer` parameter inside the layer scan. `Linear`
+    multiplies by it through a ``lax.switch`` over the layers, each branch's dot reading its
+    own layer's array in place."""
+
+    def __init__(self, arrays: tuple[jax.Array, ...], index: jax.Array | int):
+        self.arrays, self.index = arrays, index
+
+    def matmul(self, x: jax.Array, dtype) -> jax.Array:
+        """x[..., K] @ kernel[K, N] -> [..., N] in ``dtype``."""
+
+        def branch(w):
+            return lambda x: jnp.matmul(x.astype(dtype), w.astype(dtype))
+
+        if not isinstance(self.index, jax.core.Tracer):  # a known layer: no switch
+            return branch(self.arrays[int(self.index)])(x)
+        return jax.lax.switch(self.index, [branch(w) for w in self.arrays], x)
+
+
+def layer_at(layer_params: Any, i: jax.Array | int) -> Any:
+    """Layer ``i``'s parameters (``i``: i32[] or int) out of the stacked ones: a dynamic index
+    into each ``[L, ...]`` array, a `LayerSwitch` for each `PerLayer` kernel."""
+
+    def pick(a):
+        if isinstance(a, PerLayer):
+            return LayerSwitch(a.arrays, i)
+        return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+
+    return jax.tree.map(pick, layer_params, is_leaf=lambda a: isinstance(a, PerLayer))
+
+
+def split_layer_weights(state: Any) -> Any:
+    """``state`` (a model's, from `nnx.split`) with every stacked layer kernel
+    (``layers.*.kernel``, ``[L, in, out]``) held as ``L`` separate arrays (`PerLayer`); the
+    small stacked parameters (norms, biases) stay as they are. Costs a second copy of those
+    kernels while the stacked ones are still referenced.
+
+    Why: inside the layer scan a stacked kernel is a dynamic slice, and XLA's CPU backend
+    copies it into a fresh buffer before every dot (its dots read whole buffers): 424 MB per
+    forward for SmolLM2-135M, about 60 ms on 2 cores whatever the batch, more than the whole
+    decode attention at batch 8. A `LayerSwitch` dot reads its layer's own buffer instead,
+    while the layer body stays one scanned copy (compile time still flat in depth).
+    """
+
+    def split(path, a):
+        top = getattr(path[0], "key", None) if path else None
+        last = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if top == LAYERS and "kernel" in last and getattr(a, "ndim", 0) == 3:
+            return PerLayer(a[i] for i in range(a.shape[0]))
+        return a
+
+    return jax.tree_util.tree_map_with_path(split, state)
+
+
+class Linear(nnx.Linear):
+    """`nnx.Linear` whose kernel may also be a `LayerSwitch` (see `split_layer_weights`)."""
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        kernel = self.kernel.get_value()
+        if not isinstance(kernel, LayerSwitch):
+            return super().__call__(inputs)
+        y = kernel.matmul(inputs, self.dtype or jnp.result_type(inputs, kernel.arrays[0]))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
