@@ -687,6 +687,11 @@ def parse_args(argv):
     )
     ap.add_argument("--steps", type=int, default=32, help="max_decode_steps (per device call)")
     ap.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="detokenise while the next step runs (EngineConfig.async_scheduling)",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--torch-threads", type=int, default=None, help="default: torch's own")
     ap.add_argument(
@@ -776,6 +781,7 @@ def run(argv=None) -> dict:
                 block_size=args.block_size,
                 enable_prefix_caching=args.prefix_caching,
                 kv_cache_dtype=args.kv_cache_dtype,
+                async_scheduling=args.async_scheduling,
             )
             if kind == "blocks":
                 kw["num_kv_blocks"] = max(value, need)

@@ -182,6 +182,7 @@ class PagedSystem:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_decode_steps=args.max_decode_steps,
             enable_prefix_caching=not args.no_prefix_caching,
+            async_scheduling=args.async_scheduling,
         )
         self.engine = self.llm.engine
         self.budget = (self.engine.num_blocks - 1) * block_size
@@ -772,6 +773,11 @@ def parse_args(argv=None):
     ap.add_argument("--max-decode-steps", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="paged: detokenise while the next step runs (EngineConfig.async_scheduling)",
+    )
     ap.add_argument("--systems", default="paged,contiguous,hf")
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default: contiguous rows")
     ap.add_argument("--torch-threads", type=int, default=None)

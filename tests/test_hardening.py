@@ -108,18 +108,18 @@ def test_iter_generate_stopped_early_aborts_the_rest(llm):
 
 def _inject_fault(monkeypatch, engine, kind: str, nth: int):
     """The ``nth`` compiled call of ``kind`` runs (consuming the donated state), then raises."""
-    real = engine.runner.call
+    real = engine.runner.wait  # every compiled call ends there
     seen = []
 
-    def call(k, fn, key, args, static, **kw):
-        out = real(k, fn, key, args, static, **kw)
-        if k == kind:
+    def wait(launched):
+        out = real(launched)
+        if launched.kind == kind:
             seen.append(1)
             if len(seen) == nth:
                 raise RuntimeError(f"injected fault in {kind}")
         return out
 
-    monkeypatch.setattr(engine.runner, "call", call)
+    monkeypatch.setattr(engine.runner, "wait", wait)
     return seen
 
 

@@ -200,17 +200,17 @@ def test_penalties_after_plain_requests(llm, offline):
 
 def _inject_fault(monkeypatch, engine, kind: str):
     """The next compiled call of ``kind`` runs, then raises (as a device fault would)."""
-    real = engine.runner.call
+    real = engine.runner.wait  # every compiled call ends there
     fired = []
 
-    def call(k, fn, key, args, static, **kw):
-        out = real(k, fn, key, args, static, **kw)
-        if k == kind and not fired:
+    def wait(launched):
+        out = real(launched)
+        if launched.kind == kind and not fired:
             fired.append(1)
             raise RuntimeError(f"injected fault in {kind}")
         return out
 
-    monkeypatch.setattr(engine.runner, "call", call)
+    monkeypatch.setattr(engine.runner, "wait", wait)
     return fired
 
 
@@ -274,28 +274,28 @@ def test_fault_in_the_idle_cleanup_keeps_the_finished_outputs(offline, monkeypat
     request: if it raises, the outputs of the step that finished them still come back (they
     were lost, and a caller waited for them forever), and the state is rebuilt."""
     engine = offline.engine
-    real = engine.runner.call
+    real = engine.runner.wait
     kinds = []
 
-    def count(k, *a, **kw):
-        kinds.append(k)
-        return real(k, *a, **kw)
+    def count(launched):
+        kinds.append(launched.kind)
+        return real(launched)
 
-    monkeypatch.setattr(engine.runner, "call", count)
+    monkeypatch.setattr(engine.runner, "wait", count)
     ref = offline.generate(_ids(5, 6, 7), GREEDY)[0].outputs[0].token_ids
     monkeypatch.undo()
     assert kinds[-1] == "prepare"  # the idle cleanup is the run's last call
     failures = engine.get_metrics()["num_step_failures"]
     seen = []
 
-    def fail_last(k, fn, key, args, static, **kw):
-        out = real(k, fn, key, args, static, **kw)
-        seen.append(k)
+    def fail_last(launched):
+        out = real(launched)
+        seen.append(launched.kind)
         if len(seen) == len(kinds):
             raise RuntimeError("injected fault in the idle cleanup")
         return out
 
-    monkeypatch.setattr(engine.runner, "call", fail_last)
+    monkeypatch.setattr(engine.runner, "wait", fail_last)
     out = offline.generate(_ids(5, 6, 7), GREEDY)[0]
     monkeypatch.undo()
     assert out.error is None and out.outputs[0].token_ids == ref

@@ -48,6 +48,11 @@ class EngineConfig:
       data_parallel_size: independent engine replicas, each on its own
         ``tensor_parallel_size`` devices, requests spread over them
         (`jax_paged.parallel.data_parallel.DataParallelEngine`); ``LLM`` builds them.
+      async_scheduling: overlap the host with the device (vLLM's option): a step waits for
+        the call in flight, applies its tokens, schedules and launches the next call, and
+        only then detokenises and builds the outputs of the step that ended, while the device
+        runs; `LLMEngine.step` returns while that call is in flight. Off: each step waits for
+        its own call (outputs of a step come back from that step).
     """
 
     block_size: int = 16
@@ -67,6 +72,7 @@ class EngineConfig:
     max_n: int = 256
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    async_scheduling: bool = False
 
     def __post_init__(self):
         def positive(name):
@@ -87,6 +93,8 @@ class EngineConfig:
             "data_parallel_size",
         ):
             positive(name)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be True or False")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is null)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

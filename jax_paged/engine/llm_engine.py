@@ -102,6 +102,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.caching = config.enable_prefix_caching
         self._step_seqs: list[Sequence] | None = None  # the sequences of the step in flight
+        self._inflight = None  # (plan, wait) of a step launched and not yet completed
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -151,7 +152,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is waiting or running, or a step is still in flight."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` was added and has not finished, failed or been aborted."""
@@ -189,20 +191,24 @@ class LLMEngine:
 
     def _step(self, max_decode_steps: int | None) -> list[RequestOutput]:
         self.metrics.add("num_steps")
-        self._step_seqs = None
         if max_decode_steps is not None and (
             not isinstance(max_decode_steps, int) or max_decode_steps < 1
         ):
             raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
         steps = min(max_decode_steps or self.config.max_decode_steps, self.config.max_decode_steps)
+        todo = []
         try:
+            todo = self._complete()  # the step in flight, if one is
             self._bookkeeping()  # an idle engine looks new arrivals up first
             plan = self.scheduler.schedule(steps, self.max_model_len)
-            self._step_seqs = [c.seq for c in plan.chunks]
-            outs = [] if plan.is_empty else self._process(plan, self._execute(plan))
+            if not plan.is_empty:
+                self._launch(plan)
+                if not self.config.async_scheduling:
+                    todo += self._complete()
         except Exception as e:  # noqa: BLE001 - contained: see the docstring
-            return self._recover(e)
-        if not self.scheduler.has_unfinished():
+            return self._render(todo) + self._recover(e)
+        outs = self._render(todo)  # with async scheduling, while the device runs the next step
+        if not self.has_unfinished_requests():
             # An idle engine holds no blocks. This call belongs to no request: if it raises,
             # the outputs above still go out and the state is rebuilt.
             self._step_seqs = None
@@ -210,27 +216,44 @@ class LLMEngine:
                 self._bookkeeping()
             except Exception as e:  # noqa: BLE001 - contained, as above
                 outs += self._recover(e)
+            self.runner.mark_idle()
         return outs
 
     def _bookkeeping(self) -> None:
         plan = self.scheduler.idle_plan()
         if plan is not None:
-            self._execute(plan)
+            t0 = time.perf_counter()
+            result = self.runner.execute(plan)
+            self.metrics.device_seconds += time.perf_counter() - t0
+            self.scheduler.update(plan, result)
 
-    def _execute(self, plan):
-        """One compiled call for ``plan``; the scheduler learns its result."""
+    def _launch(self, plan) -> None:
+        """Starts ``plan``'s compiled call (`ModelRunner.dispatch`) without waiting for it."""
+        self._step_seqs = [c.seq for c in plan.chunks]
         t0 = time.perf_counter()
-        result = self.runner.execute(plan)
+        self._inflight = (plan, self.runner.dispatch(plan))
+        self.metrics.device_seconds += time.perf_counter() - t0
+
+    def _complete(self) -> list:
+        """Waits for the step in flight; the scheduler learns its result and its sequences
+        their new tokens (`OutputProcessor.commit`). Returns what is left to `_render`."""
+        if self._inflight is None:
+            return []
+        plan, wait = self._inflight
+        self._inflight = None
+        t0 = time.perf_counter()
+        result = wait()
         self.metrics.device_seconds += time.perf_counter() - t0
         self.scheduler.update(plan, result)
-        return result
-
-    def _process(self, plan, result) -> list[RequestOutput]:
-        """The step's tokens to the output processor (detokenising, stop strings, finishing);
-        returns the outputs of the requests that progressed."""
         self.metrics.on_step(plan, result, self.scheduler, self.caching)
-        outs, kept = self.output.process(plan, result, self._finish_seq)
+        todo, kept = self.output.commit(plan, result, self._finish_seq)
         self.metrics.add("generated_tokens", kept)
+        self._step_seqs = None
+        return todo
+
+    def _render(self, todo) -> list[RequestOutput]:
+        """Detokenises the committed tokens; the outputs of the requests that progressed."""
+        outs = self.output.render(todo)
         self.metrics.add("num_finished", sum(o.finished for o in outs))
         self.metrics.maybe_log(self.get_metrics)
         return outs
@@ -253,6 +276,7 @@ class LLMEngine:
             self._abort_seqs(req)
             self.metrics.add("num_failed")
             outs.append(self.output.fail(req, msg))
+        self._inflight = None
         self.scheduler.reset()
         self.runner.reset()
         return outs

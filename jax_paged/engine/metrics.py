@@ -94,9 +94,12 @@ class EngineMetrics:
             device_seconds=self.device_seconds,
             compiled_seconds=runner.call_seconds,
             step_seconds=self.step_seconds,
-            # Share of the steps' wall time (compiling aside) the device sat idle while the
-            # host scheduled, built inputs, detokenised and streamed.
-            device_idle_share=_idle_share(self.step_seconds, runner),
+            # Share of the time the engine had work that no compiled call was in flight: the
+            # device waiting for the host (scheduling, inputs, detokenising, the caller).
+            device_idle_share=runner.idle_seconds
+            / max(1e-9, runner.idle_seconds + runner.call_seconds),
+            # Waits that found their call done already: the host, not the device, was late.
+            host_late_share=runner.num_found_done / max(1, runner.num_calls),
             peak_kv_usage=self.peak_kv_usage,
             kv_usage=used / max(1, scheduler.num_blocks),
             num_kv_blocks=num_kv_blocks,
@@ -139,10 +142,3 @@ class EngineMetrics:
             m["num_preemptions"],
             m["compiled_variants"],
         )
-
-
-def _idle_share(step_seconds: float, runner) -> float:
-    busy = step_seconds - runner.compile_seconds
-    if busy <= 0:
-        return 0.0
-    return min(1.0, max(0.0, 1.0 - runner.call_seconds / busy))

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -116,7 +117,10 @@ class ModelRunner:
         self.compile_by_program: dict[str, float] = {}
         self.seconds_by_kind: dict[str, float] = {}  # time inside compiled calls, per kind
         self.num_calls = 0
-        self.call_seconds = 0.0
+        self.call_seconds = 0.0  # calls in flight: dispatch to the host seeing them done
+        self.idle_seconds = 0.0  # no call in flight while the engine had work
+        self.num_found_done = 0  # waits that found the call done already (the host was late)
+        self._done_at: float | None = None
         self.host_to_device_bytes = 0
 
     # -- state -----------------------------------------------------------------------------
@@ -198,11 +202,39 @@ class ModelRunner:
         """
         if not kv:
             pages = args[0].kv
-            state, *rest = self._run(kind, fn, key, (args[0].replace(kv=None), *args[1:]), static)
+            args = (args[0].replace(kv=None), *args[1:])
+            state, *rest = self.wait(self._launch(kind, fn, key, args, static))
             return (state.replace(kv=pages), *rest)
-        return self._run(kind, fn, key, args, static)
+        return self.wait(self._launch(kind, fn, key, args, static))
 
-    def _run(self, kind: str, fn, key: tuple, args: tuple, static: dict):
+    def launch(self, kind: str, fn, key: tuple, args: tuple, static: dict) -> _Launched:
+        """Starts ``fn`` (jitted; ``fn(*args) -> (state, out)``, the state donated) without
+        waiting: the runner's state becomes the program's output state at once (jax computes
+        it asynchronously) and `wait` on the returned handle gives ``out``."""
+        launched = self._launch(kind, fn, key, args, static)
+        self.state, launched.out = launched.out
+        return launched
+
+    def wait(self, launched: _Launched):
+        """Blocks until a launched call is done; returns its outputs. Counts the call's time in
+        flight (dispatch to the host seeing it done) and whether it was done already."""
+        leaves = jax.tree.leaves(launched.out)
+        self.num_found_done += all(getattr(a, "is_ready", lambda: True)() for a in leaves)
+        out = jax.block_until_ready(launched.out)
+        now = time.perf_counter()
+        dt = now - launched.start
+        self.num_calls += 1
+        self.call_seconds += dt
+        self.seconds_by_kind[launched.kind] = self.seconds_by_kind.get(launched.kind, 0.0) + dt
+        self._done_at = now
+        return out
+
+    def mark_idle(self) -> None:
+        """The engine has nothing left to run: the time until its next call is not the
+        device waiting for the host (`idle_seconds`)."""
+        self._done_at = None
+
+    def _launch(self, kind: str, fn, key: tuple, args: tuple, static: dict) -> _Launched:
         ckey = (kind,) + key
         # What crosses from the host: the numpy inputs (params and state stay on the device).
         host = [a for a in jax.tree.leaves(args) if isinstance(a, np.ndarray | np.generic)]
@@ -222,12 +254,10 @@ class ModelRunner:
             self.compile_by_program[_program_name(ckey)] = dt
             logger.info("compiled %s %s in %.1fs", kind, key, dt)
         t0 = time.perf_counter()
-        out = jax.block_until_ready(compiled(*args))
-        dt = time.perf_counter() - t0
-        self.num_calls += 1
-        self.call_seconds += dt
-        self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + dt
-        return out
+        if self._done_at is not None:  # the device sat idle since the last call ended
+            self.idle_seconds += t0 - self._done_at
+            self._done_at = None
+        return _Launched(kind, t0, compiled(*args))
 
     def _tensors(self, seqs: list[Sequence | None], pad_to: int, on_host: bool = True):
         """The sampling parameters of ``seqs`` (None: an empty row), ``pad_to`` rows."""
@@ -260,10 +290,15 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """Runs the step ``plan`` describes as one compiled program (`programs.mixed_step`,
-        `programs.decode_loop` when ``plan.decode_steps``, `programs.prepare` when it has no
-        chunks) and returns its results. Raises RuntimeError if a take started from other
-        than the ``c.start`` cached tokens its lookup found (the step's requests then fail)."""
+        """Runs the step ``plan`` describes and returns its results (`dispatch`, then waits)."""
+        return self.dispatch(plan)()
+
+    def dispatch(self, plan: SchedulerOutput) -> Callable[[], StepResult]:
+        """Starts the step ``plan`` describes as one compiled program (`programs.mixed_step`,
+        `programs.decode_loop` when ``plan.decode_steps``, `programs.prepare`, run at once,
+        when it has no chunks); returns a function that waits for it and gives its results.
+        That function raises RuntimeError if a take started from other than the ``c.start``
+        cached tokens its lookup found (the step's requests then fail)."""
         if not self.tracks_tokens and any(s.params.uses_penalties for s in plan.row_inits):
             self.start_tracking_tokens([q for q in plan.running if not q.needs_row_init])
         ops, ops_key = self._block_ops(plan)
@@ -275,12 +310,17 @@ class ModelRunner:
                 "prepare", programs.prepare, key, args, {}, kv=False
             )
             none = np.zeros((1, 0), np.int32)
-            result = StepResult(none, none, none, none, none, none[0], none[0] > 0, int(num_free))
-            result.cached, result.hits = cached, hits
+            done = StepResult(none, none, none, none, none, none[0], none[0] > 0, int(num_free))
+            done.cached, done.hits = cached, hits
+            finish = lambda: done  # noqa: E731
         elif plan.decode_steps:
-            result = self._decode(plan, ops, ops_key)
+            finish = self._decode(plan, ops, ops_key)
         else:
-            result = self._mixed(plan, ops, prompts, ops_key)
+            finish = self._mixed(plan, ops, prompts, ops_key)
+        return lambda: self._checked(plan, finish())
+
+    @staticmethod
+    def _checked(plan: SchedulerOutput, result: StepResult) -> StepResult:
         cached, hits = result.cached, result.hits
         for i, c in enumerate(plan.fresh):
             if int(cached[i]) != c.start:
@@ -418,9 +458,14 @@ class ModelRunner:
         )
         key = (t, b, ntop, plp_k, prompts is not None) + ops_key
         args = (self.params, self.state, ops, batch, self.key, prompts)
-        self.state, out = self.call("mixed", programs.mixed_step, key, args, static)
-        out = jax.device_get(out)
-        n = len(chunks)
+        launched = self.launch("mixed", programs.mixed_step, key, args, static)
+        samples = samples[: len(chunks)]
+        return lambda: self._mixed_result(jax.device_get(self.wait(launched)), samples, want_plp)
+
+    @staticmethod
+    def _mixed_result(out, samples: np.ndarray, want_plp: bool) -> StepResult:
+        """The host's `StepResult` of a mixed step (``samples``: bool[R] of its chunks)."""
+        n = len(samples)
         ok = np.asarray(out.ok[:n])
         return StepResult(
             tokens=out.tokens[None],
@@ -436,7 +481,7 @@ class ModelRunner:
             prompt_lp=out.prompt_lp if want_plp else None,
         )
 
-    def _decode(self, plan: SchedulerOutput, ops: programs.BlockOps, ops_key) -> StepResult:
+    def _decode(self, plan: SchedulerOutput, ops: programs.BlockOps, ops_key):
         """Up to ``plan.decode_steps`` decode steps of the plan's sequences on the device (each
         row stops at its stop token, max_tokens or the model length)."""
         seqs = [c.seq for c in plan.chunks]
@@ -459,9 +504,13 @@ class ModelRunner:
         max_len = np.int32(self.max_model_len)
         args = (self.params, self.state, ops, last, row_slot, active, max_len, self.key)
         k = np.int32(plan.decode_steps)
-        self.state, out = self.call("decode", programs.decode_loop, key, (*args, k), static)
-        out = jax.device_get(out)
-        steps, n = int(out.num_steps), len(seqs)
+        launched = self.launch("decode", programs.decode_loop, key, (*args, k), static)
+        return lambda: self._decode_result(jax.device_get(self.wait(launched)), len(seqs))
+
+    @staticmethod
+    def _decode_result(out, n: int) -> StepResult:
+        """The host's `StepResult` of a decode loop over ``n`` rows."""
+        steps = int(out.num_steps)
         made = np.sum(out.tokens[:steps, :n] >= 0, axis=0).astype(np.int32)
         return StepResult(
             tokens=out.tokens,
@@ -474,3 +523,12 @@ class ModelRunner:
             num_free=int(out.num_free),
             cached=out.cached,
         )
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A compiled call in flight: its kind, when it was dispatched, its (future) outputs."""
+
+    kind: str
+    start: float
+    out: Any

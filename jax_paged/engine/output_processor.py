@@ -181,55 +181,142 @@ class OutputProcessor:
 
     def append(self, s, tokens, lps, ranks, top_ids, top_lps) -> tuple[int, tuple | None]:
         """Applies a step's tokens to sequence ``s`` in order, up to the first that finishes
-        it; drops the rest (the device may run past a stop).
+        it (a stop token, max_tokens, max_model_len or a stop string); drops the rest (the
+        device may run past a stop). Detokenises and records log-probs as it goes.
 
         Returns:
           (tokens kept, None or ``(finish_reason, stop_reason)``).
         """
-        req: RequestState = s.request
-        so = req.outputs[s.index]
-        p = s.params
+        so = s.request.outputs[s.index]
+        self._stamp(s.request)
+        longest = max((len(x) for x in s.params.stop or ()), default=0)
+        reason = None
+        kept = 0
+        for j, t in enumerate(tokens):
+            reason = self._take(s, t)
+            kept += 1
+            new = self._show(s, so, t, lps[j], ranks[j], top_ids[j], top_lps[j])
+            if longest and new:
+                hit = self._find_stop(so, new, s.params, longest)
+                if hit is not None:
+                    reason = ("stop", hit)
+            if reason is not None:
+                break
+        self._end(s, reason)
+        self._update_text(s, final=reason is not None)
+        return kept, reason
+
+    def commit(self, plan, result, finish) -> tuple[list, int]:
+        """The half of a step's output processing that the next plan depends on: appends each
+        chunk's new tokens (``plan``: `SchedulerOutput`, ``result``: `StepResult`) to its
+        sequence, up to the first stop token, max_tokens or max_model_len, and ends the
+        sequences they stop (``finish(seq, reason, stop_reason)``). A sequence with stop
+        strings goes through `append` whole (a stop string also ends it). Sequences that
+        ended meanwhile (aborted while the step ran) are skipped.
+
+        Returns (what `render` does next, tokens kept); `render` may run while the device
+        runs the next step (`EngineConfig.async_scheduling`)."""
+        todo: list[tuple[Sequence, tuple | None]] = []
+        kept = off = 0
+        for r, c in enumerate(plan.chunks):
+            s, off = c.seq, off + c.length
+            if not result.ok[r] or s.status is SequenceStatus.FINISHED:
+                continue
+            if result.prompt_lp is not None and s.params.prompt_logprobs is not None:
+                self.record_prompt_logprobs(s, c.start, c.length, result.prompt_lp, off - c.length)
+            m = int(result.made[r])
+            if not m:
+                continue
+            toks = result.tokens[:m, r].tolist()
+            cols = (result.logprobs[:m, r], result.ranks[:m, r])
+            tops = (list(result.top_ids[:m, r]), list(result.top_logprobs[:m, r]))
+            if s.params.stop:
+                n, reason = self.append(s, toks, *(a.tolist() for a in cols), *tops)
+                rest = None
+            else:
+                n, reason = self._take_all(s, toks)
+                first = len(s.output_token_ids) - n
+                lps, ranks = (a[:n].tolist() for a in cols)
+                rest = (first, lps, ranks, tops[0][:n], tops[1][:n], reason is not None)
+            kept += n
+            if reason is not None:
+                finish(s, *reason)
+                s.request.metrics.finished_time = time.time()
+            todo.append((s, rest))
+        return todo, kept
+
+    def render(self, todo: list) -> list[RequestOutput]:
+        """The other half (`commit`): detokenises and records the log-probs of the committed
+        tokens; returns the outputs of the requests that progressed (the finished ones leave
+        ``requests``)."""
+        progressed: dict[str, RequestState] = {}
+        for s, rest in todo:
+            if rest is not None:
+                first, lps, ranks, top_ids, top_lps, final = rest
+                so = s.request.outputs[s.index]
+                ids = s.output_token_ids[first : first + len(lps)]
+                for j, t in enumerate(ids):
+                    self._show(s, so, t, lps[j], ranks[j], top_ids[j], top_lps[j])
+                self._update_text(s, final=final)
+            progressed[s.request_id] = s.request
+        for req in progressed.values():
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return [self.make_output(req) for req in progressed.values()]
+
+    def _take_all(self, s, tokens: list[int]) -> tuple[int, tuple | None]:
+        """`append` without detokenising: the token ids alone."""
+        self._stamp(s.request)
+        reason = None
+        kept = 0
+        for t in tokens:
+            reason = self._take(s, t)
+            kept += 1
+            if reason is not None:
+                break
+        self._end(s, reason)
+        return kept, reason
+
+    @staticmethod
+    def _stamp(req: RequestState) -> None:
         now = time.time()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
-        stop_ids = set(p.stop_token_ids or [])
-        eos = set() if p.ignore_eos else self.eos_token_ids
-        longest = max((len(x) for x in p.stop or ()), default=0)
-        reason = None
-        kept = 0
-        for j, t in enumerate(tokens):
-            s.output_token_ids.append(t)
-            kept += 1
-            if so.logprobs is not None:
-                so.cum_logprob += lps[j]
-                so.logprobs.append(
-                    make_logprobs_dict(
-                        t, lps[j], ranks[j], top_ids[j], top_lps[j], p.logprobs, self.decode_token
-                    )
-                )
-            new = ""
-            if so.detok is not None:
-                before = so.detok.num_chars
-                new = so.detok.add(t)
-                self.chars_decoded += so.detok.num_chars - before
-            n_out = len(s.output_token_ids)
-            if n_out >= p.min_tokens and t in stop_ids:
-                reason = ("stop", t)
-            elif n_out >= p.min_tokens and t in eos:
-                reason = ("stop", None)
-            elif n_out >= s.max_tokens or s.num_tokens >= self.max_model_len:
-                reason = ("length", None)
-            if longest and new:
-                hit = self._find_stop(so, new, p, longest)
-                if hit is not None:
-                    reason = ("stop", hit)
-            if reason is not None:
-                if s.num_computed > s.num_tokens:
-                    s.num_computed = s.num_tokens
-                break
-        self._update_text(s, final=reason is not None)
-        return kept, reason
+
+    def _take(self, s, t: int) -> tuple | None:
+        """Appends token ``t`` to ``s``; the finish it causes, if any (a stop id, EOS unless
+        ignore_eos, both after min_tokens; max_tokens; max_model_len)."""
+        s.output_token_ids.append(t)
+        p, n_out = s.params, len(s.output_token_ids)
+        if n_out >= p.min_tokens and t in (p.stop_token_ids or ()):
+            return ("stop", t)
+        if n_out >= p.min_tokens and not p.ignore_eos and t in self.eos_token_ids:
+            return ("stop", None)
+        if n_out >= s.max_tokens or s.num_tokens >= self.max_model_len:
+            return ("length", None)
+        return None
+
+    @staticmethod
+    def _end(s, reason) -> None:
+        """A sequence that ended inside a decode loop computed no further than its tokens."""
+        if reason is not None and s.num_computed > s.num_tokens:
+            s.num_computed = s.num_tokens
+
+    def _show(self, s, so: SequenceOutput, t: int, lp, rank, top_id, top_lp) -> str:
+        """Records token ``t``'s log-probs (if asked) and detokenises it; the new text."""
+        if so.logprobs is not None:
+            so.cum_logprob += lp
+            n = s.params.logprobs
+            so.logprobs.append(
+                make_logprobs_dict(t, lp, rank, top_id, top_lp, n, self.decode_token)
+            )
+        if so.detok is None:
+            return ""
+        before = so.detok.num_chars
+        new = so.detok.add(t)
+        self.chars_decoded += so.detok.num_chars - before
+        return new
 
     @staticmethod
     def _find_stop(so: SequenceOutput, new: str, p: SamplingParams, longest: int) -> str | None:
@@ -261,39 +348,6 @@ class OutputProcessor:
             so.text = so.detok.text
         if so.stop_at is not None:
             so.text = so.text[: so.stop_at]
-
-    def process(self, plan, result, finish) -> tuple[list[RequestOutput], int]:
-        """Hands each chunk's new tokens of a step (``plan``: `SchedulerOutput`, ``result``:
-        `StepResult`) to `append`, and its prompt log-probs to `record_prompt_logprobs`;
-        ``finish(seq, reason, stop_reason)`` ends a sequence that a token stopped. Returns the
-        outputs of the requests that progressed (the finished ones leave ``requests``) and the
-        number of tokens kept."""
-        progressed: dict[str, RequestState] = {}
-        kept = off = 0
-        for r, c in enumerate(plan.chunks):
-            s, off = c.seq, off + c.length
-            if not result.ok[r]:
-                continue
-            if result.prompt_lp is not None and s.params.prompt_logprobs is not None:
-                self.record_prompt_logprobs(s, c.start, c.length, result.prompt_lp, off - c.length)
-            m = int(result.made[r])
-            if not m:
-                continue
-            arrays = (result.tokens, result.logprobs, result.ranks, result.top_ids)
-            toks, lps, ranks, top_ids = (a[:m, r] for a in arrays)
-            top_lps = result.top_logprobs[:m, r]
-            n, reason = self.append(
-                s, toks.tolist(), lps.tolist(), ranks.tolist(), list(top_ids), list(top_lps)
-            )
-            kept += n
-            if reason is not None:
-                finish(s, *reason)
-                s.request.metrics.finished_time = time.time()
-            progressed[s.request_id] = s.request
-        for req in progressed.values():
-            if req.finished:
-                self.requests.pop(req.request_id, None)
-        return [self.make_output(req) for req in progressed.values()], kept
 
     def record_prompt_logprobs(self, s, start: int, length: int, plp, off: int) -> None:
         """Adds the prompt log-probs of one prefill chunk (positions ``start:start+length``)
