@@ -6,11 +6,11 @@ working tree) or two sets of arguments, alternated in one run, as JSON.
         scripts/benchmark.py --quick --systems paged --online-rates 2,4
 
 Each side is a fresh process of the script with the same arguments (plus ``--base-args`` /
-``--new-args``): the base side in a checkout of ``--base`` (``git worktree add`` in a temporary
-folder, removed at the end; default: this working tree too), the new side in this working
-tree. The sides alternate ``--rounds`` times, the first in each round swapping every round
-(A B, B A, A B, ...), so slow drift of the machine hits both alike. Every run's stdout must be
-the script's JSON. For every number found at the same path in all runs (``--keys``: only paths
+``--new-args``), in a checkout of its revision (``--base``, ``--new``: ``git worktree add`` in a
+temporary folder, removed at the end), or in this working tree for a side given none. The
+sides alternate ``--rounds`` times, the first in each round swapping every round (A B, B A,
+A B, ...), so slow drift of the machine hits both alike. Every run's stdout must be the
+script's JSON. For every number found at the same path in all runs (``--keys``: only paths
 containing one of these substrings), the output gives each side's median and the median of the
 per-round ratios new / base (``ratio``), with their min and max. Run it on a quiet machine.
 """
@@ -90,6 +90,7 @@ def run_side(folder: Path, script: list[str], extra: list[str]) -> tuple[dict, f
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--base", default=None, help="git revision of the base side (default: here)")
+    ap.add_argument("--new", default=None, help="git revision of the new side (default: here)")
     ap.add_argument("--base-args", default="", help="extra arguments of the base side")
     ap.add_argument("--new-args", default="", help="extra arguments of the new side")
     ap.add_argument("--rounds", type=int, default=3)
@@ -102,19 +103,19 @@ def main(argv=None) -> dict:
         ap.error("give the benchmark after --, e.g. -- scripts/bench_decode.py --quick")
     if args.rounds < 1:
         ap.error(f"--rounds={args.rounds} must be >= 1")
-    tmp = None
-    base_dir = ROOT
-    if args.base is not None:
-        tmp = Path(tempfile.mkdtemp(prefix="bench_ab_"))
-        base_dir = tmp / "base"
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_dir), args.base],
-            check=True,
-            capture_output=True,
-        )
+    tmp = Path(tempfile.mkdtemp(prefix="bench_ab_"))
+    made = []
+    dirs = {}
+    for name, rev in (("base", args.base), ("new", args.new)):
+        dirs[name] = ROOT
+        if rev is not None:
+            dirs[name] = tmp / name
+            cmd = ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(dirs[name]), rev]
+            subprocess.run(cmd, check=True, capture_output=True)
+            made.append(dirs[name])
     sides = {
-        "base": (base_dir, shlex.split(args.base_args)),
-        "new": (ROOT, shlex.split(args.new_args)),
+        "base": (dirs["base"], shlex.split(args.base_args)),
+        "new": (dirs["new"], shlex.split(args.new_args)),
     }
     runs: dict[str, list] = {"base": [], "new": []}
     seconds: dict[str, list] = {"base": [], "new": []}
@@ -128,9 +129,9 @@ def main(argv=None) -> dict:
                 runs[name].append(out)
                 seconds[name].append(round(dt, 1))
     finally:
-        if tmp is not None:
+        for folder in made:
             subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)],
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(folder)],
                 capture_output=True,
             )
     keys = [k for k in args.keys.split(",") if k]
@@ -138,6 +139,7 @@ def main(argv=None) -> dict:
     result = dict(
         script=shlex.join(script),
         base=args.base or "working tree",
+        new=args.new or "working tree",
         base_args=args.base_args,
         new_args=args.new_args,
         rounds=args.rounds,

@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-decode-steps", type=int, default=32)
     e.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="detokenise a step's outputs while the device runs the next one",
+    )
+    e.add_argument(
         "--attention-impl",
         default="auto",
         choices=ATTENTION_IMPLS,
@@ -309,6 +314,7 @@ def run(args, requests: list[Request], sink) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_decode_steps=args.max_decode_steps,
+            async_scheduling=args.async_scheduling,
             attention_impl=args.attention_impl,
             kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel_size=args.tensor_parallel_size,

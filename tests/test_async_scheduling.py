@@ -99,3 +99,23 @@ def test_async_scheduling_must_be_a_bool(tiny_llama):
     path, _ = tiny_llama
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(str(path), async_scheduling="yes")
+
+
+def test_serve_and_generate_pass_the_option_on():
+    """`jax-paged serve --async-scheduling` and `scripts/generate.py --async-scheduling` give
+    it to the engine (every other serve option maps to its EngineConfig field)."""
+    import argparse
+
+    import generate
+
+    from jax_paged.engine.config import EngineConfig
+    from jax_paged.serve import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_serve_arguments(p)
+    for flags, want in (([], False), (["--async-scheduling"], True)):
+        kw = cli.engine_kwargs(p.parse_args(flags))
+        assert kw["async_scheduling"] is want
+        assert EngineConfig(**kw).async_scheduling is want
+    args = generate.build_parser().parse_args(["--async-scheduling"])
+    assert args.async_scheduling is True

@@ -1,43 +1,37 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one scheduled step at a time.
 
-One `step()` is one plan in, one compiled program, one result out::
+One step is one plan in, one compiled program, one result out (`EngineCore.step`)::
 
-    plan = scheduler.schedule()      what the device does in the step (`SchedulerOutput`):
-                                     free, fork, take prefix hits, start sampling rows,
-                                     the chunks to run, the prompts to look up next
+    plan = scheduler.schedule()      what the device does (`SchedulerOutput`): free, fork,
+                                     take prefix hits, start sampling rows, the chunks to
+                                     run, the prompts to look up next
     result = runner.execute(plan)    one call: a mixed step (prefill chunks + decodes) or,
                                      all decoding and nothing waiting, a decode loop
     scheduler.update(plan, result)   the device's free count, tokens computed, lookup hints
-    process(plan, result)            append tokens, detokenise, stop strings, finish (host)
+    output.commit, output.render     the new tokens to their sequences; detokenise, outputs
 
-Only an idle engine makes a call of another kind (`runner.prepare`): to look up prompts that
-just arrived, and to free what finished once nothing is left (`get_metrics()`:
-``device_calls_per_step``). The device state is the one authority on blocks; the scheduler
-plans against what it last reported, and a chunk the device cannot hold after all is
-preempted. A step that raises fails its own requests and the state is rebuilt (`step`).
+The engine builds the parts and owns the request API; `EngineCore` runs the steps. The device
+state is the one authority on blocks: the scheduler plans against what it last reported, and
+a chunk the device cannot hold after all is preempted.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-import traceback
 
 from flax import nnx
 
 from jax_paged.engine import inputs
 from jax_paged.engine.config import EngineConfig, kv_dtype, size_kv_pool
+from jax_paged.engine.core import EngineCore
 from jax_paged.engine.metrics import EngineMetrics
 from jax_paged.engine.model_runner import ModelRunner
 from jax_paged.engine.output_processor import OutputProcessor, RequestState
 from jax_paged.engine.scheduler import Scheduler
-from jax_paged.engine.sequence import Sequence, SequenceStatus
 from jax_paged.entrypoints.outputs import RequestOutput
 from jax_paged.entrypoints.sampling_params import SamplingParams
 from jax_paged.parallel import sharding as shard
 from models.protocol import check_model
-
-logger = logging.getLogger("jax_paged")
 
 
 class LLMEngine:
@@ -100,9 +94,15 @@ class LLMEngine:
             chunk=self.max_num_batched_tokens,
         )
         self.metrics = EngineMetrics()
-        self.caching = config.enable_prefix_caching
-        self._step_seqs: list[Sequence] | None = None  # the sequences of the step in flight
-        self._inflight = None  # (plan, wait) of a step launched and not yet completed
+        self.core = EngineCore(
+            config,
+            self.scheduler,
+            self.runner,
+            self.output,
+            self.metrics,
+            self.max_model_len,
+            log=lambda: self.metrics.maybe_log(self.get_metrics),
+        )
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -147,27 +147,17 @@ class LLMEngine:
         req = self.requests.pop(str(request_id), None)
         if req is None:
             return False
-        self._abort_seqs(req)
+        self.core.abort_seqs(req)
         self.metrics.add("num_aborted")
         return True
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is waiting or running, or a step is still in flight."""
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.core.busy
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` was added and has not finished, failed or been aborted."""
         return str(request_id) in self.requests
-
-    def _abort_seqs(self, req: RequestState) -> None:
-        self.scheduler.drop_forks(req)  # siblings waiting for a fork are queued nowhere
-        for s in req.seqs:
-            if s.status is not SequenceStatus.FINISHED:
-                self._finish_seq(s, "abort", None)
-
-    def _finish_seq(self, seq: Sequence, reason: str, stop_reason) -> None:
-        self.scheduler.finish(seq)
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     # -- one step --------------------------------------------------------------------------
     def step(self, *, max_decode_steps: int | None = None) -> list[RequestOutput]:
@@ -184,102 +174,16 @@ class LLMEngine:
         preempted (it re-prefills later, its output unchanged): the engine keeps serving.
         """
         t0 = time.perf_counter()
-        try:
-            return self._step(max_decode_steps)
-        finally:
-            self.metrics.step_seconds += time.perf_counter() - t0
-
-    def _step(self, max_decode_steps: int | None) -> list[RequestOutput]:
         self.metrics.add("num_steps")
         if max_decode_steps is not None and (
             not isinstance(max_decode_steps, int) or max_decode_steps < 1
         ):
             raise ValueError(f"max_decode_steps must be an int >= 1, got {max_decode_steps!r}")
-        steps = min(max_decode_steps or self.config.max_decode_steps, self.config.max_decode_steps)
-        todo = []
+        cap = self.config.max_decode_steps
         try:
-            todo = self._complete()  # the step in flight, if one is
-            self._bookkeeping()  # an idle engine looks new arrivals up first
-            plan = self.scheduler.schedule(steps, self.max_model_len)
-            if not plan.is_empty:
-                self._launch(plan)
-                if not self.config.async_scheduling:
-                    todo += self._complete()
-        except Exception as e:  # noqa: BLE001 - contained: see the docstring
-            return self._render(todo) + self._recover(e)
-        outs = self._render(todo)  # with async scheduling, while the device runs the next step
-        if not self.has_unfinished_requests():
-            # An idle engine holds no blocks. This call belongs to no request: if it raises,
-            # the outputs above still go out and the state is rebuilt.
-            self._step_seqs = None
-            try:
-                self._bookkeeping()
-            except Exception as e:  # noqa: BLE001 - contained, as above
-                outs += self._recover(e)
-            self.runner.mark_idle()
-        return outs
-
-    def _bookkeeping(self) -> None:
-        plan = self.scheduler.idle_plan()
-        if plan is not None:
-            t0 = time.perf_counter()
-            result = self.runner.execute(plan)
-            self.metrics.device_seconds += time.perf_counter() - t0
-            self.scheduler.update(plan, result)
-
-    def _launch(self, plan) -> None:
-        """Starts ``plan``'s compiled call (`ModelRunner.dispatch`) without waiting for it."""
-        self._step_seqs = [c.seq for c in plan.chunks]
-        t0 = time.perf_counter()
-        self._inflight = (plan, self.runner.dispatch(plan))
-        self.metrics.device_seconds += time.perf_counter() - t0
-
-    def _complete(self) -> list:
-        """Waits for the step in flight; the scheduler learns its result and its sequences
-        their new tokens (`OutputProcessor.commit`). Returns what is left to `_render`."""
-        if self._inflight is None:
-            return []
-        plan, wait = self._inflight
-        self._inflight = None
-        t0 = time.perf_counter()
-        result = wait()
-        self.metrics.device_seconds += time.perf_counter() - t0
-        self.scheduler.update(plan, result)
-        self.metrics.on_step(plan, result, self.scheduler, self.caching)
-        todo, kept = self.output.commit(plan, result, self._finish_seq)
-        self.metrics.add("generated_tokens", kept)
-        self._step_seqs = None
-        return todo
-
-    def _render(self, todo) -> list[RequestOutput]:
-        """Detokenises the committed tokens; the outputs of the requests that progressed."""
-        outs = self.output.render(todo)
-        self.metrics.add("num_finished", sum(o.finished for o in outs))
-        self.metrics.maybe_log(self.get_metrics)
-        return outs
-
-    def _recover(self, exc: Exception) -> list[RequestOutput]:
-        """Fails the requests of the step that raised, rebuilds the device state and puts every
-        other running sequence back in the waiting queue (nothing of the old state is read)."""
-        step_reqs = {id(q.request): q.request for q in self._step_seqs or []}.values()
-        # Requests of the step still in flight (one that finished in it has been reported).
-        failed = [r for r in step_reqs if r.request_id in self.requests and not r.finished]
-        msg = f"engine step failed: {type(exc).__name__}: {exc}"
-        n_other = sum(s.request not in failed for s in self.scheduler.running)
-        note = f"failing {len(failed)} requests, re-prefilling {n_other} running sequences"
-        logger.error("%s; %s, rebuilding the KV cache", msg, note, exc_info=exc)
-        # The traceback's frames hold the old state's arrays: let them go before re-allocating.
-        traceback.clear_frames(exc.__traceback__)
-        self.metrics.add("num_step_failures")
-        outs = []
-        for req in failed:
-            self._abort_seqs(req)
-            self.metrics.add("num_failed")
-            outs.append(self.output.fail(req, msg))
-        self._inflight = None
-        self.scheduler.reset()
-        self.runner.reset()
-        return outs
+            return self.core.step(min(max_decode_steps or cap, cap))
+        finally:
+            self.metrics.step_seconds += time.perf_counter() - t0
 
     def get_metrics(self) -> dict:
         """Counters and gauges of the engine (a plain dict; the README lists them)."""

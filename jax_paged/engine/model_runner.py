@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jax_paged import backend
-from jax_paged.engine import programs
+from jax_paged.engine import programs, step_inputs
 from jax_paged.engine.config import kv_dtype
 from jax_paged.engine.sequence import SchedulerOutput, Sequence, StepResult, blocks_for
 from jax_paged.memory import block_manager as bm
@@ -302,7 +302,9 @@ class ModelRunner:
         if not self.tracks_tokens and any(s.params.uses_penalties for s in plan.row_inits):
             self.start_tracking_tokens([q for q in plan.running if not q.needs_row_init])
         ops, ops_key = self._block_ops(plan)
-        prompts = self._lookup_rows(plan.lookups)
+        prompts = step_inputs.lookup_rows(
+            plan.lookups, self.max_num_seqs, self.max_blocks_per_seq * self.config.block_size
+        )
         if not plan.chunks:
             key = (self.tracks_tokens, ops_key, prompts is not None)
             args = (self.state, ops, prompts)
@@ -376,19 +378,6 @@ class ModelRunner:
         )
         return ops, key
 
-    def _lookup_rows(self, seqs: list[Sequence]):
-        """(tokens i32[S, P * bs], lengths i32[S]) of the prompts to look up, or None."""
-        if not seqs:
-            return None
-        s, k = self.max_num_seqs, self.max_blocks_per_seq * self.config.block_size
-        tokens = np.zeros((s, k), np.int32)
-        lens = np.zeros(s, np.int32)
-        for i, q in enumerate(seqs):
-            toks = q.all_token_ids
-            lens[i] = len(toks)
-            tokens[i, : len(toks)] = toks
-        return tokens, lens
-
     def start_tracking_tokens(self, running: list[Sequence]) -> None:
         """Switches the sampling history to per-slot token counts (penalties need them),
         filled in for the ``running`` sequences (one `programs.prepare` call, once per engine)."""
@@ -408,46 +397,7 @@ class ModelRunner:
         # Rows follow tokens (each row has >= 1 token), so one bucket axis: t in 32, 64, ...,
         # max_num_batched_tokens, b = min(t, max_num_seqs) rows (the LM head runs on b rows).
         b = min(t, _pow2_at_least(self.max_num_seqs, 4))
-        tokens = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        token_row = np.full(t, -1, np.int32)
-        next_tokens = np.full(t, -1, np.int32)
-        cu = np.zeros(b + 1, np.int32)
-        row_slot = np.full(b, -1, np.int32)
-        last_idx = np.zeros(b, np.int32)
-        samples = np.zeros(b, bool)
-        num_new = np.zeros(self.max_num_seqs, np.int32)
-        want_plp = False
-        off = 0
-        for r, c in enumerate(chunks):
-            s = c.seq
-            all_ids = s.all_token_ids
-            tokens[off : off + c.length] = all_ids[c.start : c.start + c.length]
-            positions[off : off + c.length] = np.arange(c.start, c.start + c.length)
-            token_row[off : off + c.length] = r
-            if s.params.prompt_logprobs is not None and s.request.prompt_logprobs is None:
-                want_plp = True
-                nxt = all_ids[c.start + 1 : c.start + c.length + 1]
-                next_tokens[off : off + len(nxt)] = nxt
-            off += c.length
-            cu[r + 1] = off
-            row_slot[r] = s.slot
-            last_idx[r] = off - 1
-            samples[r] = c.samples
-            num_new[s.slot] = c.length
-        cu[len(chunks) + 1 :] = off
-        batch = programs.MixedBatch(
-            tokens=tokens,
-            positions=positions,
-            token_row=token_row,
-            cu_q_lens=cu,
-            num_rows=np.int32(len(chunks)),
-            row_slot=row_slot,
-            last_idx=last_idx,
-            samples=samples,
-            num_new=num_new,
-            next_tokens=next_tokens,
-        )
+        batch, want_plp = step_inputs.mixed_batch(chunks, t, b, self.max_num_seqs)
         ntop = self.num_top
         plp_k = self.config.max_logprobs if want_plp else -1  # one variant, sliced on the host
         static = dict(
@@ -459,7 +409,7 @@ class ModelRunner:
         key = (t, b, ntop, plp_k, prompts is not None) + ops_key
         args = (self.params, self.state, ops, batch, self.key, prompts)
         launched = self.launch("mixed", programs.mixed_step, key, args, static)
-        samples = samples[: len(chunks)]
+        samples = np.asarray(batch.samples[: len(chunks)])
         return lambda: self._mixed_result(jax.device_get(self.wait(launched)), samples, want_plp)
 
     @staticmethod

@@ -66,13 +66,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=True,
         help="reuse the KV blocks of earlier prompts' prefixes (default on)",
     )
+    e.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="detokenise a step's outputs while the device runs the next one",
+    )
     e.add_argument("--max-logprobs", type=int, default=20)
     e.add_argument("--max-n", type=int, default=256, help="the most completions per request")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument(
         "--attention-impl",
         default="auto",
-        choices=["auto", "reference", "xla", "cpu", "gpu", "tpu"],
+        choices=["auto", "reference", "xla", "cpu", "gpu", "mosaic_gpu", "tpu"],
     )
     p.add_argument(
         "--no-warmup",
@@ -97,6 +102,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
         seed=args.seed,
