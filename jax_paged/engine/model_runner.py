@@ -43,8 +43,6 @@ logger = logging.getLogger("jax_paged")
 # weights are read once whatever the batch), so smaller buckets would only add variants.
 _MIN_TOKENS = 32
 _MIN_DECODE_ROWS = 8
-# Entries of a step's block-op lists (`programs.BlockOps`) unless one has more (then one per slot).
-_MIN_OPS = 8
 
 
 def _pow2_at_least(x: int, lo: int = 1) -> int:
@@ -336,12 +334,11 @@ class ModelRunner:
         return result
 
     def _block_ops(self, plan: SchedulerOutput) -> tuple[programs.BlockOps, tuple]:
-        """The plan's `programs.BlockOps` as padded host arrays, and their shape key: lists of
-        `_MIN_OPS` entries when every list fits (a steady step ships a few hundred bytes),
-        else of ``max_num_seqs``."""
+        """The plan's `programs.BlockOps` as padded host arrays, and their shape key. Every
+        list has one entry per slot: a shorter bucket for quiet steps doubled the compiled
+        variants, and an online run met the second one mid-run (a 5 s compile)."""
         seqs = plan.row_inits
-        lists = (plan.free_slots, plan.forks, plan.preempted_slots, plan.fresh, seqs)
-        m = _MIN_OPS if max(map(len, lists)) <= _MIN_OPS else self.max_num_seqs
+        m = self.max_num_seqs
 
         def slots(values) -> np.ndarray:
             a = np.full(m, -1, np.int32)
