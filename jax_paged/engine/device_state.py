@@ -146,11 +146,22 @@ def lookup(state: DeviceState, prompts) -> tuple[DeviceState, Any]:
     cache without taking anything, and keeps what it found (``found_blocks``, ``found_len``)
     for the next step's takes (nothing evicts before them: only a reservation does). Returns
     (state, (cached tokens i32[M], evictable blocks among them i32[M])), or (state, None)
-    when ``prompts`` is None."""
+    when ``prompts`` is None. All-padding ``prompts`` (no row with a length) skip the lookup
+    at run time and keep what the last one found: every step can pass the same shapes (one
+    compiled variant) and pay for a lookup only when prompts are waiting."""
     if prompts is None:
         return state, None
-    cand, matched = pc.lookup_blocks(state.blocks, *prompts)
-    hits = pc.prefix_hits(state.blocks, cand, matched)
+    tokens, lens = prompts
+
+    def run(blocks):
+        cand, matched = pc.lookup_blocks(blocks, tokens, lens)
+        return cand, matched, pc.prefix_hits(blocks, cand, matched)
+
+    def skip(blocks):
+        zero = jnp.zeros_like(state.found_len)
+        return state.found_blocks, state.found_len, (zero, zero)
+
+    cand, matched, hits = jax.lax.cond(jnp.any(lens > 0), run, skip, state.blocks)
     return state.replace(found_blocks=cand, found_len=matched), hits
 
 

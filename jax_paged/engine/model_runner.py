@@ -113,6 +113,7 @@ class ModelRunner:
         self.compiled: dict[tuple, Any] = {}
         self.compile_seconds = 0.0
         self.compile_by_program: dict[str, float] = {}
+        self._no_prompts = None  # device-resident empty lookup input (`_lookup_input`)
         self.seconds_by_kind: dict[str, float] = {}  # time inside compiled calls, per kind
         self.num_calls = 0
         self.call_seconds = 0.0  # calls in flight: dispatch to the host seeing them done
@@ -300,11 +301,9 @@ class ModelRunner:
         if not self.tracks_tokens and any(s.params.uses_penalties for s in plan.row_inits):
             self.start_tracking_tokens([q for q in plan.running if not q.needs_row_init])
         ops, ops_key = self._block_ops(plan)
-        prompts = step_inputs.lookup_rows(
-            plan.lookups, self.max_num_seqs, self.max_blocks_per_seq * self.config.block_size
-        )
+        prompts = self._lookup_input(plan.lookups)
         if not plan.chunks:
-            key = (self.tracks_tokens, ops_key, prompts is not None)
+            key = (self.tracks_tokens, ops_key)
             args = (self.state, ops, prompts)
             self.state, num_free, cached, hits = self.call(
                 "prepare", programs.prepare, key, args, {}, kv=False
@@ -318,6 +317,27 @@ class ModelRunner:
         else:
             finish = self._mixed(plan, ops, prompts, ops_key)
         return lambda: self._checked(plan, finish())
+
+    def _lookup_input(self, seqs: list[Sequence]):
+        """The prompts a step looks up (`step_inputs.lookup_rows`), always in one shape with
+        prefix caching on: when none wait, all-padding rows kept on the device (no bytes cross,
+        and the program skips the lookup), so a step's compiled variant does not depend on
+        whether prompts are waiting. None without prefix caching."""
+        if self.state.found_blocks is None:
+            return None
+        width = self.max_blocks_per_seq * self.config.block_size
+        if seqs:
+            return step_inputs.lookup_rows(seqs, self.max_num_seqs, width)
+        if self._no_prompts is None:
+            none = (
+                np.zeros((self.max_num_seqs, width), np.int32),
+                np.zeros(self.max_num_seqs, np.int32),
+            )
+            mesh = self.mesh
+            self._no_prompts = (
+                jax.device_put(none) if mesh is None else shard.put_replicated(none, mesh)
+            )
+        return self._no_prompts
 
     @staticmethod
     def _checked(plan: SchedulerOutput, result: StepResult) -> StepResult:
@@ -403,7 +423,7 @@ class ModelRunner:
             num_top_logprobs=ntop,
             prompt_logprobs_k=plp_k,
         )
-        key = (t, b, ntop, plp_k, prompts is not None) + ops_key
+        key = (t, b, ntop, plp_k) + ops_key
         args = (self.params, self.state, ops, batch, self.key, prompts)
         launched = self.launch("mixed", programs.mixed_step, key, args, static)
         samples = np.asarray(batch.samples[: len(chunks)])
