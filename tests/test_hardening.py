@@ -268,6 +268,38 @@ def test_one_device_call_per_step_while_requests_arrive(tiny_llama):
     _assert_clean(llm)
 
 
+def test_waiting_prompts_do_not_change_the_compiled_step(tiny_llama):
+    """A mixed step compiles the same program whether or not prompts wait to be looked up
+    (an online run must not meet a new variant when the queue empties or fills), and a
+    lookup of waiting prompts still finds their cached prefix."""
+    path, _ = tiny_llama
+    llm = LLM(
+        str(path),
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        max_decode_steps=1,
+    )
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    shared = _prompts(1, seed=21, lo=9, hi=10)[0]
+    llm.generate(_ids(shared + [3]), sp)  # nothing waits: every step without a lookup
+
+    def mixed_programs():
+        return {k for k in engine.get_metrics()["compile_seconds_by_program"] if "mixed" in k}
+
+    known = mixed_programs()
+    hits = engine.get_metrics()["prefix_cache_hits"]
+    for i in range(4):  # 8 tokens a step: free slots, and prompts waiting for the budget
+        engine.add_request(f"w{i}", _ids(shared + [4 + i] * 6), sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert mixed_programs() == known
+    assert engine.get_metrics()["prefix_cache_hits"] - hits >= 4 * 8
+    _assert_clean(llm)
+
+
 @pytest.mark.slow  # the fast tier keeps the one-call-per-step test with arrivals
 def test_host_to_device_bytes_of_a_decode_step_do_not_grow_with_max_model_len(tiny_llama):
     """A steady decode step ships the step's differences, not tables sized by the model

@@ -319,23 +319,19 @@ class ModelRunner:
         return lambda: self._checked(plan, finish())
 
     def _lookup_input(self, seqs: list[Sequence]):
-        """The prompts a step looks up (`step_inputs.lookup_rows`), always in one shape with
-        prefix caching on: when none wait, all-padding rows kept on the device (no bytes cross,
-        and the program skips the lookup), so a step's compiled variant does not depend on
-        whether prompts are waiting. None without prefix caching."""
+        """The prompts a step looks up (`step_inputs.lookup_rows`), in one shape whether or
+        not any wait (one compiled variant; the program skips an all-padding lookup). The
+        all-padding input stays on the device: no bytes cross. None without prefix caching."""
         if self.state.found_blocks is None:
             return None
-        width = self.max_blocks_per_seq * self.config.block_size
-        if seqs:
-            return step_inputs.lookup_rows(seqs, self.max_num_seqs, width)
-        if self._no_prompts is None:
-            none = (
-                np.zeros((self.max_num_seqs, width), np.int32),
-                np.zeros(self.max_num_seqs, np.int32),
-            )
+        if seqs or self._no_prompts is None:
+            width = self.max_blocks_per_seq * self.config.block_size
+            rows = step_inputs.lookup_rows(seqs, self.max_num_seqs, width)
+            if seqs:
+                return rows
             mesh = self.mesh
             self._no_prompts = (
-                jax.device_put(none) if mesh is None else shard.put_replicated(none, mesh)
+                jax.device_put(rows) if mesh is None else shard.put_replicated(rows, mesh)
             )
         return self._no_prompts
 

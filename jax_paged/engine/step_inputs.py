@@ -61,9 +61,7 @@ def mixed_batch(
 
 def lookup_rows(seqs: list[Sequence], num_rows: int, width: int):
     """(tokens i32[num_rows, width], lengths i32[num_rows]) of the prompts to look up (each
-    sequence's tokens so far), or None when there are none."""
-    if not seqs:
-        return None
+    sequence's tokens so far); rows past ``seqs`` are padding (length 0)."""
     tokens = np.zeros((num_rows, width), np.int32)
     lens = np.zeros(num_rows, np.int32)
     for i, q in enumerate(seqs):
