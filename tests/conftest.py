@@ -130,6 +130,41 @@ def pytest_configure(config):
         _FULL_SUITE = bool(Expression.compile(expr).evaluate(lambda name, **kw: name == "slow"))
 
 
+# Time spent compiling (or loading from the cache above) per jitted function, printed at the
+# end of every run beside `--durations`: on an empty cache compiles are most of the suite's
+# time (a tiny model's engine step is a few hundred XLA fusions, about 4 s to compile), so the
+# programs a change adds show up here first.
+_COMPILE_SECONDS: dict[str, float] = {}
+_COMPILE_COUNTS: dict[str, int] = {}
+
+
+def _record_compile(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        name = str(kwargs.get("fun_name", "?"))
+        _COMPILE_SECONDS[name] = _COMPILE_SECONDS.get(name, 0.0) + duration
+        _COMPILE_COUNTS[name] = _COMPILE_COUNTS.get(name, 0) + 1
+
+
+def pytest_sessionstart(session):
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_record_compile)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _COMPILE_SECONDS:
+        return
+    total = sum(_COMPILE_SECONDS.values())
+    count = sum(_COMPILE_COUNTS.values())
+    terminalreporter.section("XLA compiles and cache loads, by function")
+    top = sorted(_COMPILE_SECONDS, key=_COMPILE_SECONDS.get, reverse=True)[:8]
+    for name in top:
+        terminalreporter.write_line(
+            f"{_COMPILE_SECONDS[name]:8.1f} s {_COMPILE_COUNTS[name]:5d}  {name}"
+        )
+    terminalreporter.write_line(f"{total:8.1f} s {count:5d}  all")
+
+
 def full_suite_run() -> bool:
     """False when this run deselects the slow tests (``-m "not slow"``, the fast tier):
     randomised tests then run at a reduced size (fewer operations or examples, the same
