@@ -151,6 +151,24 @@ def pytest_sessionstart(session):
     jax.monitoring.register_event_duration_secs_listener(_record_compile)
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: hand the figures to the controller
+        workeroutput["compile_seconds"] = dict(_COMPILE_SECONDS)
+        workeroutput["compile_counts"] = dict(_COMPILE_COUNTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist (controller side): adds a finished worker's compile figures to this
+    process's, so that the summary below covers every worker."""
+    out = getattr(node, "workeroutput", {})
+    for name, seconds in out.get("compile_seconds", {}).items():
+        _COMPILE_SECONDS[name] = _COMPILE_SECONDS.get(name, 0.0) + seconds
+    for name, count in out.get("compile_counts", {}).items():
+        _COMPILE_COUNTS[name] = _COMPILE_COUNTS.get(name, 0) + count
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _COMPILE_SECONDS:
         return
