@@ -33,10 +33,9 @@ pages), divided evenly among the splits.
 * **WGMMA** for both products: ``S = Q K^T`` with Q and K from SMEM (K^T read through a
   transposed SMEM descriptor), accumulating in float32 registers; ``P V`` with P (rounded to
   the page dtype) written to SMEM and V from SMEM, into a fresh float32 accumulator that is
-  added to the rescaled running output. (Accumulating in place on the running output,
-  `pl.run_state` with a pre-initialised accumulator, would save those adds and registers, but
-  neither jax 0.10's nor 0.11's interpreter runs `run_state`, and the kernel that is tested
-  should be the kernel that runs.)
+  added to the rescaled running output. (Accumulating in place, `pl.run_state` on the running
+  output, would save those adds, but no jax interpreter runs `run_state` yet, and the kernel
+  that is tested should be the kernel that runs.)
 * **Online softmax** in base 2 (``exp2``, ``log2(e)`` folded into the scale) on the WGMMA
   register layout; masking by position from iotas: row ``r`` sees key ``k`` when
   ``r >= G * (k - pos0)`` (causal: ``r // G >= k - pos0``), ``r < G * num_q`` (a real token)
@@ -47,10 +46,9 @@ pages), divided evenly among the splits.
 * **Splits.** Each split writes its normalised output and its ``(m, l)``; a small `jnp` epilogue
   merges them exactly as the Triton kernel does.
 
-What is not done (yet): warp specialisation (a producer warpgroup issuing TMA while two consumer
-warpgroups ping-pong their softmax and MMAs, as in jax's dense FlashAttention-3 example) would
-hide the softmax behind the MMAs of the other consumer; it pays for long ragged prefill blocks,
-less for decode, which is bound by the K/V read the pipeline above already overlaps. Decode
+Not done: warp specialisation (a TMA producer warpgroup, two consumers ping-ponging softmax and
+MMAs, as in jax's dense FlashAttention-3 example) would hide the softmax behind the other
+consumer's MMAs: it pays for long ragged prefill, less for decode (bound by the K/V read). Decode
 blocks use only ``G`` of the 64 WGMMA rows; that costs tensor-core time, not memory traffic.
 
 Blackwell (sm_100) would change: the accumulators move to tensor memory (``tcgen05_mma`` with
@@ -59,9 +57,7 @@ Blackwell (sm_100) would change: the accumulators move to tensor memory (``tcgen
 instead of one TMA per page; a 2-CTA cluster could share the K/V of one KV head between two
 query blocks. None of that is implemented here.
 
-Limits (checked by `supports` and by `pallas_kernels.paged_attention` for ``impl="mosaic_gpu"``):
-pages bfloat16 or float16, head dim 64 or 128, block size a power of 2 from 8 to 128, at most 64
-query heads per KV head.
+Limits: `supports` (16-bit pages, head dim 64 or 128, block size a power of 2 in [8, 128]).
 
 Interpret mode and lowering (what the CPU can check)
 ----------------------------------------------------
@@ -77,9 +73,9 @@ through a transposed descriptor; the rest of the body is the one that runs on th
 The interpreter does not check register layouts, WGMMA shape/tiling rules, SMEM capacity or the
 PTX: `jax.export(..., platforms=["cuda"])` lowers the kernel through Mosaic GPU on a CPU-only
 machine (a ``mosaic_gpu_v2`` custom call in the module; tests/test_mosaic_gpu_kernel.py), which
-checks layouts, tilings and WGMMA shapes; only running on a GPU checks the PTX and the hardware
-behaviour. The interpreter runs and the lowering pass under jax 0.10.2 and 0.11.2; the kernel
-has not yet run on a GPU.
+checks layouts, tilings and WGMMA shapes; only a GPU checks the PTX and the hardware. The
+interpreter and the lowering pass under jax 0.10.2 and 0.11.2; on an H200 (jax 0.11.2) the tests
+pass compiled (its speed there: README, "GPU kernels on an H200").
 """
 
 from __future__ import annotations
@@ -366,18 +362,10 @@ def _attend_blocks(q_blocks, k_pages, v_pages, tables, meta, *, num_splits, num_
     return merge_splits(o, m, l, dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "sliding_window",
-        "soft_cap",
-        "interpret",
-        "block_q",
-        "num_splits",
-        "num_stages",
-    ),
-)
+_STATIC = tuple("scale sliding_window soft_cap interpret block_q num_splits num_stages".split())
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def mosaic_gpu_ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
     k_pages: jax.Array,  # [L, KVH, N, bs, D] (or [KVH, N, bs, D]: L = 1)
