@@ -31,6 +31,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_support.vllm_peer import export_hf_folder, vllm_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,32 +95,6 @@ def write_tiny_chat_model(directory: str | Path, *, seed: int = 0) -> Path:
         source="tiny random chat model (scripts/bench_serving.py)",
     )
     models.save_checkpoint(loaded, directory)
-    return directory
-
-
-def export_hf_folder(gguf_path: str | Path, directory: str | Path) -> Path:
-    """Writes a GGUF model as an HF folder (float32 safetensors, tokenizer, generation config)
-    that both `jax-paged serve` and `vllm serve` load, so both serve the same dequantised
-    weights. Needs transformers with gguf and accelerate (the test extra)."""
-    import torch
-    import transformers
-
-    gguf_path, directory = Path(gguf_path), Path(directory)
-    if (directory / "config.json").exists():
-        return directory
-    kw = dict(gguf_file=gguf_path.name)
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
-    src = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), dtype=torch.float32, **kw
-    )
-    config = src.config
-    if hasattr(config, "quantization_config"):  # transformers refuses to save it as loaded
-        del config.quantization_config
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(src.state_dict())
-    model.generation_config = src.generation_config
-    model.save_pretrained(directory)
-    tok.save_pretrained(directory)
     return directory
 
 
@@ -344,17 +320,6 @@ def vllm_cmd(vllm_bin: str, model: str, name: str, extra: list[str]) -> list[str
     return [vllm_bin, "serve", model, "--served-model-name", name, "--dtype", "float32", *extra]
 
 
-def vllm_env() -> dict:
-    """vLLM on the CPU as /work/shared/notes/peers.md sets it up."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    return env
-
-
 def run_vllm_bench(url: str, name: str, args, workload: str, rate: float, run: int) -> dict:
     """One run of `vllm bench serve` itself as the client (random data set, the same lengths,
     ``--ignore-eos``); returns its result JSON with ``workload`` added."""
@@ -455,6 +420,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head-to-head", action="store_true", help="jax-paged serve, then vllm serve")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="start and measure each server this many times, alternating (A B, B A, ...)",
+    )
     ap.add_argument("--vllm-bin", default=os.environ.get("VLLM_BIN", "vllm"))
     ap.add_argument("--server-args", default="", help="extra options for jax-paged serve")
     ap.add_argument("--vllm-args", default="", help="extra options for vllm serve")
@@ -497,6 +468,7 @@ def main(argv=None) -> dict:
             "server_args",
             "vllm_args",
             "client",
+            "rounds",
         )
     }
     result: dict = {"benchmark": "serving", "config": config, "servers": {}}
@@ -517,18 +489,25 @@ def main(argv=None) -> dict:
         if args.head_to_head:
             cmd = vllm_cmd(args.vllm_bin, args.model_path, args.model, args.vllm_args.split())
             servers.append(("vllm", cmd, vllm_env()))
-        for label, cmd, env_ in servers:
-            try:
-                with Server(cmd, env=env_, log=tmp / f"{label}.log") as s:
-                    runs = run_rates(s.url, args.model, args)
-                    result["servers"][label] = {"startup_s": s.startup_s, "runs": runs}
-            except Exception as e:  # noqa: BLE001 - recorded; the other server still runs
-                result["servers"][label] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
-                print(f"{label} failed: {e}", file=sys.stderr)
-            if args.output:  # what has run so far, in case a later server fails
-                Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
-        if args.head_to_head and all("runs" in v for v in result["servers"].values()):
-            result["ratios"] = _ratios(result["servers"]["jax-paged"], result["servers"]["vllm"])
+        rounds: dict[str, list] = {label: [] for label, _, _ in servers}
+        for r in range(args.rounds):  # the servers' order swaps every round: A B, B A, ...
+            for label, cmd, env_ in servers if r % 2 == 0 else servers[::-1]:
+                print(f"round {r + 1}/{args.rounds}: {label}", file=sys.stderr)
+                try:
+                    with Server(cmd, env=env_, log=tmp / f"{label}.log") as s:
+                        runs = run_rates(s.url, args.model, args)
+                        rounds[label].append({"startup_s": s.startup_s, "runs": runs})
+                except Exception as e:  # noqa: BLE001 - recorded; the other server still runs
+                    result["servers"][label] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+                    print(f"{label} failed: {e}", file=sys.stderr)
+                    break
+                result["servers"][label] = _merge_rounds(rounds[label])
+                if args.output:  # what has run so far, in case a later server fails
+                    Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+            if any("error" in v for v in result["servers"].values()):
+                break
+        if args.head_to_head and all("error" not in v for v in result["servers"].values()):
+            result["ratios"] = _ratios(rounds["jax-paged"], rounds["vllm"])
     text = json.dumps(result, indent=1)
     print(text)
     if args.output:
@@ -539,13 +518,36 @@ def main(argv=None) -> dict:
 _GOAL_KEYS = ("request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
 
 
-def _ratios(ours: dict, theirs: dict) -> list[dict]:
-    """Per run, jax-paged / vLLM for the goals: request throughput (>= 1 wanted), TTFT p50 and
-    p99 (<= 1), TPOT p50 (<= 1.1)."""
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One server's rounds: each run's numbers as medians over the rounds (``runs``, in the
+    shape of one round's), start-up times, and every round as measured (``rounds``)."""
+    runs = []
+    for i, first in enumerate(rounds[0]["runs"]):
+        same = [rd["runs"][i] for rd in rounds]
+        runs.append({
+            k: statistics.median(r[k] for r in same)
+            if isinstance(v, int | float) and not isinstance(v, bool) else v
+            for k, v in first.items()
+        })  # fmt: skip
+    return {"startup_s": [rd["startup_s"] for rd in rounds], "runs": runs, "rounds": rounds}
+
+
+def _ratios(ours: list[dict], theirs: list[dict]) -> list[dict]:
+    """Per run, jax-paged / vLLM for the goals (request throughput >= 1 wanted, TTFT p50 and
+    p99 <= 1, TPOT p50 <= 1.1): the median over rounds of the ratio within each round (the two
+    servers ran next to each other), with its min and max."""
     out = []
-    for a, b in zip(ours["runs"], theirs["runs"], strict=True):
-        r = {k: a[k] / b[k] if b[k] else None for k in _GOAL_KEYS}
-        out.append({"workload": a["workload"], "request_rate": a["request_rate"], **r})
+    for i, run in enumerate(ours[0]["runs"]):
+        row = {"workload": run["workload"], "request_rate": run["request_rate"]}
+        for k in _GOAL_KEYS:
+            per_round = [
+                a["runs"][i][k] / b["runs"][i][k]
+                for a, b in zip(ours, theirs, strict=False)
+                if b["runs"][i][k]
+            ]
+            row[k] = statistics.median(per_round) if per_round else None
+            row[k + "_range"] = [min(per_round), max(per_round)] if per_round else None
+        out.append(row)
     return out
 
 

@@ -55,3 +55,29 @@ def test_poisson_arrivals_and_prompt_shapes():
     assert all(80 <= len(p) <= 120 for p in prompts)
     assert all(p[:30] == prompts[0][:30] for p in prompts)
     assert all(10 <= t < 20 for p in prompts for t in p)
+
+
+def test_head_to_head_rounds_merge_to_medians_and_paired_ratios():
+    """--rounds: each server's numbers are medians over its rounds, and each goal's ratio is
+    the median of the ratios within rounds (not the ratio of the medians)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_serving", ROOT / "scripts/bench_serving.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def rnd(tput, ttft):
+        run = dict(workload="random", request_rate="inf", request_throughput=tput,
+                   median_ttft_ms=ttft, p99_ttft_ms=2 * ttft, median_tpot_ms=10.0)  # fmt: skip
+        return {"startup_s": 1.0, "runs": [run]}
+
+    ours = [rnd(1.0, 100.0), rnd(2.0, 300.0), rnd(4.0, 200.0)]
+    theirs = [rnd(2.0, 100.0), rnd(2.0, 100.0), rnd(2.0, 400.0)]
+    merged = bench._merge_rounds(ours)
+    assert merged["runs"][0]["request_throughput"] == 2.0
+    assert merged["runs"][0]["median_ttft_ms"] == 200.0
+    assert merged["runs"][0]["request_rate"] == "inf" and len(merged["rounds"]) == 3
+    (row,) = bench._ratios(ours, theirs)
+    assert row["request_throughput"] == 1.0  # per round 0.5, 1, 2
+    assert row["median_ttft_ms"] == 1.0  # per round 1, 3, 0.5; medians' ratio would be 2
+    assert row["median_ttft_ms_range"] == [0.5, 3.0]
