@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_support import run_metadata
 from bench_support.vllm_peer import export_hf_folder, vllm_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -508,6 +509,7 @@ def main(argv=None) -> dict:
                 break
         if args.head_to_head and all("error" not in v for v in result["servers"].values()):
             result["ratios"] = _ratios(rounds["jax-paged"], rounds["vllm"])
+    result["run"] = run_metadata()
     text = json.dumps(result, indent=1)
     print(text)
     if args.output:
