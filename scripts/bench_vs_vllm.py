@@ -147,8 +147,7 @@ def parse_args(argv):
     return args
 
 
-def run(argv=None) -> dict:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     path = Path(args.model) if args.model else models.default_model_path()
     if path.suffix == ".gguf":  # one HF folder for both systems: the same dequantised weights
@@ -200,12 +199,11 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> int:
-    result = run(argv)
-    text = json.dumps(result, indent=1)
+    args = parse_args(argv)
+    text = json.dumps(run(args), indent=1)
     print(text)
-    out = parse_args(argv).output
-    if out:
-        Path(out).write_text(text + "\n")
+    if args.output:
+        Path(args.output).write_text(text + "\n")
     return 0
 
 
