@@ -150,14 +150,18 @@ def test_bfloat16(tiny_hf, loaded):
     # bf16 keeps 8 bits of mantissa: allow a few percent of the logit range.
     _assert_logits_match(ours, hf_logits(hf_model, prompts), tol=0.05, rel=True)
     # Against HF run in bf16 itself: as close as the two bf16 roundings allow (about 2% of the
-    # range here, as far as HF bf16 is from HF f32), and the same argmax at every position.
+    # range here, as far as HF bf16 is from HF f32), and the same greedy token wherever HF's
+    # top two are not tied within that rounding.
     torch, _ = oracle()
     hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
     with torch.no_grad():
         refs = [hf_bf16(torch.tensor([p])).logits[0].float().numpy() for p in prompts]
     _assert_logits_match(ours, refs, tol=0.035, rel=True)
     for i, ref in enumerate(refs):
-        np.testing.assert_array_equal(np.asarray(ours[i, : len(ref)]).argmax(-1), ref.argmax(-1))
+        pick = np.asarray(ours[i, : len(ref)]).argmax(-1)
+        gap = ref.max(-1) - np.take_along_axis(ref, pick[:, None], -1)[:, 0]
+        assert (gap <= 0.035 * np.abs(ref).max()).all(), f"prompt {i}: greedy token gaps {gap}"
+        assert (pick == ref.argmax(-1)).mean() >= 0.9
 
 
 def test_bfloat16_safetensors_file(tmp_path):
