@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from jax_paged import LLM, SamplingParams
-from jax_paged.serve import AsyncLLM
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_support
+from bench_support import add_output_arg, emit, run_metadata  # noqa: E402
+
+from jax_paged import LLM, SamplingParams  # noqa: E402
+from jax_paged.serve import AsyncLLM  # noqa: E402
 
 _KEYS = (
     "num_steps",
@@ -36,6 +40,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-decode-wait-ms", type=float, default=50.0)
     ap.add_argument("--quick", action="store_true")
+    add_output_arg(ap, "serving_async_overhead_smollm2.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 8, 32, 32
@@ -77,7 +82,8 @@ def main(argv=None) -> dict:
         allm.shutdown()
         name = f"AsyncLLM max_decode_wait_ms={wait_ms:g}" if wait_ms else "AsyncLLM no cap"
         result["runs"][name] = {"wall_s": round(wall, 3), **diff(a, snap())}
-    print(json.dumps(result, indent=1))
+    result["run"] = run_metadata()
+    emit(result, args.output)
     return result
 
 

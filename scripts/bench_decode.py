@@ -101,6 +101,7 @@ from bench_support import (  # noqa: E402
     add_output_arg,
     dense,  # noqa: E402
     emit,
+    read_bandwidth,
     run_metadata,
 )
 from flax import nnx  # noqa: E402
@@ -316,21 +317,6 @@ def dense_bound(step, state, tokens: np.ndarray) -> dict:
         warmup_seconds=round(warm, 3),
         trials=BOUND_TRIALS,
     )
-
-
-def read_bandwidth(nbytes: int = 512 << 20) -> float:
-    """Bytes/s at which XLA reads memory here: a jitted sum over ``nbytes`` of float32 (far
-    beyond the caches), best of 5 after a warm-up. What reading the live K/V must cost at least."""
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    total = jax.jit(jnp.sum)
-    jax.block_until_ready(total(x))
-    best = float("inf")
-    for _ in range(BOUND_TRIALS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(total(x))
-        best = min(best, time.perf_counter() - t0)
-    del x
-    return nbytes / best
 
 
 def kv_bytes_per_step(config, contexts: np.ndarray, itemsize: int) -> float:

@@ -3,7 +3,7 @@
 A figure means little without the code, the machine and the libraries behind it, so each script
 adds `run_metadata()` to its JSON under ``"run"``: the commit (and whether the work tree had
 uncommitted changes), the UTC date, the machine (CPU model, cores, memory, the accelerator jax
-sees, and the memory bandwidth when the script measured one) and the versions of the libraries
+sees, and the memory read bandwidth measured now) and the versions of the libraries
 that shape the numbers. ``docs/results/`` keeps one file per benchmark configuration, named by
 what it measures (`docs/benchmarks.md` lists them); a new run overwrites its file and git keeps
 the history.
@@ -78,11 +78,33 @@ def _version(name: str) -> str | None:
         return None
 
 
+def read_bandwidth(nbytes: int = 512 << 20, trials: int = 5) -> float:
+    """Bytes/s at which XLA reads memory here: a jitted sum over ``nbytes`` of float32 (far
+    beyond the caches), best of ``trials`` after a warm-up. What reading K/V must cost at least,
+    and the figure that tells one run's machine from another's (this machine kind has read
+    28-44 GB/s on different days)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    jax.block_until_ready(total(x))
+    best = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(total(x))
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return nbytes / best
+
+
 def run_metadata(*, memory_bandwidth_gb_s: float | None = None) -> dict:
     """{"commit", "commit_dirty", "date_utc", "machine", "versions"} for a benchmark's JSON.
 
-    ``memory_bandwidth_gb_s``: the bandwidth the script measured on this machine (GB/s), if it
-    measures one; recorded under ``machine``.
+    ``memory_bandwidth_gb_s``: the bandwidth the script measured on this machine (GB/s), recorded
+    under ``machine``; when None, `read_bandwidth` measures it now (under a second).
     """
     status = _git("status", "--porcelain", "--untracked-files=no")
     try:
@@ -98,8 +120,9 @@ def run_metadata(*, memory_bandwidth_gb_s: float | None = None) -> dict:
         "os": platform.system(),
         "accelerator": _accelerator(),
     }
-    if memory_bandwidth_gb_s is not None:
-        machine["memory_bandwidth_gb_s"] = round(float(memory_bandwidth_gb_s), 2)
+    if memory_bandwidth_gb_s is None:
+        memory_bandwidth_gb_s = read_bandwidth() / 1e9
+    machine["memory_bandwidth_gb_s"] = round(float(memory_bandwidth_gb_s), 2)
     return {
         "commit": _git("rev-parse", "HEAD"),
         "commit_dirty": None if status is None else bool(status),

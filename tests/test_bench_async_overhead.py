@@ -1,0 +1,33 @@
+"""Smoke test of scripts/bench_async_overhead.py: the same requests through `LLM.generate` and
+`AsyncLLM` (uncapped and with the decode-call cap) each make every token, and the JSON names
+the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_async_overhead.py"
+
+
+@pytest.mark.slow
+def test_quick_run_makes_every_token_in_each_front(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_async_overhead", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out_file = tmp_path / "ao.json"
+    out = mod.main(["--quick", "--output", str(out_file)])
+    assert json.loads(out_file.read_text()) == json.loads(json.dumps(out))
+    runs = out["runs"]
+    assert set(runs) == {"LLM.generate", "AsyncLLM no cap", "AsyncLLM max_decode_wait_ms=50"}
+    for name, r in runs.items():
+        assert r["generated_tokens"] == 8 * 32, name  # --quick: 8 prompts x 32 tokens
+        assert r["wall_s"] > 0 and r["num_device_calls"] >= 1, name
+    # The cap cuts decode calls short, so it never makes fewer calls than no cap.
+    assert (
+        runs["AsyncLLM max_decode_wait_ms=50"]["num_steps"] >= runs["AsyncLLM no cap"]["num_steps"]
+    )
+    assert len(out["run"]["commit"]) == 40 and out["run"]["machine"]["memory_bandwidth_gb_s"] > 0
