@@ -183,6 +183,7 @@ class PagedSystem:
             max_decode_steps=args.max_decode_steps,
             enable_prefix_caching=not args.no_prefix_caching,
             async_scheduling=args.async_scheduling,
+            precompile=args.precompile,
         )
         self.engine = self.llm.engine
         self.budget = (self.engine.num_blocks - 1) * block_size
@@ -777,6 +778,12 @@ def parse_args(argv=None):
         "--async-scheduling",
         action="store_true",
         help="paged: detokenise while the next step runs (EngineConfig.async_scheduling)",
+    )
+    ap.add_argument(
+        "--precompile",
+        action="store_true",
+        help="paged: compile every step variant when the engine starts, as jax-paged serve "
+        "does (EngineConfig.precompile); else a timed online pass may meet a compile",
     )
     ap.add_argument("--systems", default="paged,contiguous,hf")
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default: contiguous rows")

@@ -335,3 +335,37 @@ def test_cached_heads_filter_is_bounded(tiny_llama):
     out = llm.generate(_ids(prompts[0] + [9, 9]), sp)[0]
     assert out.num_cached_tokens == 8
     _assert_clean(llm)
+
+
+def test_precompile_covers_every_variant_an_online_run_meets(tiny_llama):
+    """``precompile=True`` compiles the variants up front (mixed at every token bucket, decode
+    at every row bucket, the idle prepare): requests of every length arriving while others
+    decode then compile nothing more, and make the tokens an engine compiling on first use
+    makes."""
+    path, _ = tiny_llama
+    kw = dict(num_kv_blocks=512, block_size=4, max_num_seqs=16, max_num_batched_tokens=128)
+    llm = LLM(str(path), precompile=True, max_decode_steps=4, **kw)
+    engine = llm.engine
+    names = set(engine.get_metrics()["compile_seconds_by_program"])
+    # 128 tokens: mixed at 32, 64, 128; 16 rows: decode at 8, 16; the idle prepare.
+    assert sum(n.startswith("mixed") for n in names) == 3
+    assert sum(n.startswith("decode") for n in names) == 2 and "prepare" in str(names)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, size=int(n)).tolist() for n in rng.integers(2, 200, 24)]
+    sp = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    outs = {}
+    for i, p in enumerate(prompts):  # one arrival per step, so batches of every size form
+        engine.add_request(f"r{i}", _ids(p), sp)
+        for o in engine.step():
+            outs[o.request_id] = o
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert set(engine.get_metrics()["compile_seconds_by_program"]) == names
+    lazy = LLM(str(path), max_decode_steps=4, **kw).generate([_ids(p) for p in prompts], sp)
+    assert [outs[f"r{i}"].outputs[0].token_ids for i in range(24)] == [
+        o.outputs[0].token_ids for o in lazy
+    ]
+    _assert_clean(llm)
+    with pytest.raises(ValueError, match="precompile"):
+        LLM(str(path), precompile="yes")

@@ -53,6 +53,9 @@ class EngineConfig:
         only then detokenises and builds the outputs of the step that ended, while the device
         runs; `LLMEngine.step` returns while that call is in flight. Off: each step waits for
         its own call (outputs of a step come back from that step).
+      precompile: compile every program variant a step can pick when the engine starts
+        (`ModelRunner.compile_all`; SmolLM2 on a CPU: about 20 s on two cores) instead of on
+        first use, so no request waits for a compile (`jax-paged serve` sets it).
     """
 
     block_size: int = 16
@@ -73,6 +76,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     async_scheduling: bool = False
+    precompile: bool = False
 
     def __post_init__(self):
         def positive(name):
@@ -93,8 +97,9 @@ class EngineConfig:
             "data_parallel_size",
         ):
             positive(name)
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be True or False")
+        for name in ("async_scheduling", "precompile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is null)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

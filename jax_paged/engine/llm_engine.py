@@ -103,6 +103,8 @@ class LLMEngine:
             self.max_model_len,
             log=lambda: self.metrics.maybe_log(self.get_metrics),
         )
+        if config.precompile:
+            self.runner.compile_all()
 
     @property
     def requests(self) -> dict[str, RequestState]:

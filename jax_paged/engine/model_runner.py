@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -243,20 +245,57 @@ class ModelRunner:
         compiled = self.compiled.get(ckey)
         if compiled is None:
             t0 = time.perf_counter()
-            lowered = fn.lower(*args, **static)
-            t1 = time.perf_counter()
-            compiled = lowered.compile()
-            dt = time.perf_counter() - t0
-            logger.debug("%s: traced in %.1fs, compiled in %.1fs", kind, t1 - t0, dt - (t1 - t0))
-            self.compile_seconds += dt
-            self.compiled[ckey] = compiled
-            self.compile_by_program[_program_name(ckey)] = dt
-            logger.info("compiled %s %s in %.1fs", kind, key, dt)
+            compiled = fn.lower(*args, **static).compile()
+            self._keep(ckey, compiled, time.perf_counter() - t0)
         t0 = time.perf_counter()
         if self._done_at is not None:  # the device sat idle since the last call ended
             self.idle_seconds += t0 - self._done_at
             self._done_at = None
         return _Launched(kind, t0, compiled(*args))
+
+    def _keep(self, ckey: tuple, compiled, seconds: float) -> None:
+        self.compiled[ckey] = compiled
+        self.compile_seconds += seconds
+        self.compile_by_program[_program_name(ckey)] = seconds
+        logger.info("compiled %s in %.1fs", _program_name(ckey), seconds)
+
+    def compile_all(self) -> dict[str, float]:
+        """Compiles, up front, every variant a step can pick under this engine's limits: the
+        mixed step at each token bucket, the decode loop at each row bucket and the idle
+        prepare, as vLLM captures its graphs at start-up. A server that calls it never stalls
+        a request on a compile (SmolLM2 on a CPU: about 4 s per variant, 10 variants). Only
+        the variants for penalties (a per-slot token history) and prompt log-probs still
+        compile on first use. Lowering runs here, compiling on one thread per core. Returns
+        {variant name: compile seconds} of the variants compiled now."""
+        ops, ops_key = self._block_ops(SchedulerOutput(chunks=[], preempted=[]))
+        prompts = self._lookup_input([])
+        calls = [self._prepare_call(ops, ops_key, prompts)]
+        t_max = self._mixed_rows(self.max_num_batched_tokens)[0]
+        calls += [
+            self._mixed_call([], _MIN_TOKENS << i, ops, prompts, ops_key)[:5]
+            for i in range(int(math.log2(t_max // _MIN_TOKENS)) + 1)
+        ]
+        b_max = self._decode_rows(self.max_num_seqs)
+        calls += [
+            self._decode_call([], _MIN_DECODE_ROWS << i, ops, ops_key, 1)
+            for i in range(int(math.log2(max(1, b_max // _MIN_DECODE_ROWS))) + 1)
+        ]
+        todo = []
+        for kind, fn, key, args, static in calls:
+            if (kind,) + key not in self.compiled:
+                if self.mesh is not None:
+                    args = shard.put_replicated(args, self.mesh)
+                todo.append(((kind,) + key, fn.lower(*args, **static)))
+
+        def build(item):
+            t0 = time.perf_counter()
+            return item[0], item[1].compile(), time.perf_counter() - t0
+
+        with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+            for ckey, compiled, seconds in pool.map(build, todo):
+                self._keep(ckey, compiled, seconds)
+        names = [_program_name(ckey) for ckey, _ in todo]
+        return {name: self.compile_by_program[name] for name in names}
 
     def _tensors(self, seqs: list[Sequence | None], pad_to: int, on_host: bool = True):
         """The sampling parameters of ``seqs`` (None: an empty row), ``pad_to`` rows."""
@@ -303,11 +342,9 @@ class ModelRunner:
         ops, ops_key = self._block_ops(plan)
         prompts = self._lookup_input(plan.lookups)
         if not plan.chunks:
-            key = (self.tracks_tokens, ops_key)
-            args = (self.state, ops, prompts)
-            self.state, num_free, cached, hits = self.call(
-                "prepare", programs.prepare, key, args, {}, kv=False
-            )
+            kind, fn, key, _, static = self._prepare_call(ops, ops_key, prompts)
+            args = (self.state, ops, prompts)  # `call` takes the pages out (kv=False)
+            self.state, num_free, cached, hits = self.call(kind, fn, key, args, static, kv=False)
             none = np.zeros((1, 0), np.int32)
             done = StepResult(none, none, none, none, none, none[0], none[0] > 0, int(num_free))
             done.cached, done.hits = cached, hits
@@ -350,46 +387,12 @@ class ModelRunner:
         return result
 
     def _block_ops(self, plan: SchedulerOutput) -> tuple[programs.BlockOps, tuple]:
-        """The plan's `programs.BlockOps` as padded host arrays, and their shape key. Every
-        list has one entry per slot: a shorter bucket for quiet steps doubled the compiled
-        variants, and an online run met the second one mid-run (a 5 s compile)."""
-        seqs = plan.row_inits
-        m = self.max_num_seqs
-
-        def slots(values) -> np.ndarray:
-            a = np.full(m, -1, np.int32)
-            a[: len(values)] = values
-            return a
-
-        take_row = np.zeros(m, np.int32)
-        take_row[: len(plan.fresh)] = [c.seq.prefix_row for c in plan.fresh]
-        self._fit_stop_width(seqs)
-        if self.tracks_tokens:
-            lp = _pow2_at_least(max((len(q.prompt_token_ids) for q in seqs), default=0), 16)
-            lo = _pow2_at_least(max((len(q.output_token_ids) for q in seqs), default=0), 16)
-            init_prompt = np.full((m, lp), -1, np.int32)
-            init_out = np.full((m, lo), -1, np.int32)
-            for i, q in enumerate(seqs):
-                init_prompt[i, : len(q.prompt_token_ids)] = q.prompt_token_ids
-                init_out[i, : len(q.output_token_ids)] = q.output_token_ids
-            key = (m, self.stop_width, lp, lo)
-        else:
-            init_prompt, key = None, (m, self.stop_width)
-            init_out = np.zeros(m, np.int32)
-            init_out[: len(seqs)] = [len(q.output_token_ids) for q in seqs]
-        ops = programs.BlockOps(
-            free_slots=slots(plan.free_slots),
-            fork_parent=slots([p for p, _ in plan.forks]),
-            fork_child=slots([c for _, c in plan.forks]),
-            preempt_slots=slots(plan.preempted_slots),
-            take_slot=slots([c.seq.slot for c in plan.fresh]),
-            take_row=take_row,
-            init_slot=slots([q.slot for q in seqs]),
-            init_out=init_out,
-            init_prompt=init_prompt,
-            init_tensors=self._tensors(seqs + [None] * (m - len(seqs)), m),
+        """The plan's block ops as padded host arrays and their shape key
+        (`step_inputs.block_ops`), the stop-id width grown first if a new row needs it."""
+        self._fit_stop_width(plan.row_inits)
+        return step_inputs.block_ops(
+            plan, self.max_num_seqs, self.stop_width, self.tracks_tokens, self._tensors
         )
-        return ops, key
 
     def start_tracking_tokens(self, running: list[Sequence]) -> None:
         """Switches the sampling history to per-slot token counts (penalties need them),
@@ -401,54 +404,50 @@ class ModelRunner:
         if running:
             self.execute(SchedulerOutput(chunks=[], preempted=[], row_inits=running))
 
-    def _mixed(self, plan: SchedulerOutput, ops: programs.BlockOps, prompts, ops_key):
-        """One ragged batch of the plan's chunks (prefill chunks and decodes)."""
-        chunks = plan.chunks
-        num_tokens = sum(c.length for c in chunks)
+    def _prepare_call(self, ops, ops_key, prompts) -> tuple:
+        """(kind, fn, key, args, static) of the idle prepare (args without the K/V pages)."""
+        args = (self.state.replace(kv=None), ops, prompts)
+        return "prepare", programs.prepare, (self.tracks_tokens, ops_key), args, {}
+
+    def _mixed_rows(self, num_tokens: int) -> tuple[int, int]:
+        """The (tokens, rows) bucket of a mixed step of ``num_tokens`` tokens."""
         t = _pow2_at_least(num_tokens, _MIN_TOKENS)
         t = min(t, _pow2_at_least(self.max_num_batched_tokens, _MIN_TOKENS))
         # Rows follow tokens (each row has >= 1 token), so one bucket axis: t in 32, 64, ...,
         # max_num_batched_tokens, b = min(t, max_num_seqs) rows (the LM head runs on b rows).
-        b = min(t, _pow2_at_least(self.max_num_seqs, 4))
+        return t, min(t, _pow2_at_least(self.max_num_seqs, 4))
+
+    def _mixed_call(self, chunks, num_tokens: int, ops, prompts, ops_key) -> tuple:
+        """(kind, fn, key, args, static, batch, want_plp) of a mixed step over ``chunks``."""
+        t, b = self._mixed_rows(num_tokens)
         batch, want_plp = step_inputs.mixed_batch(chunks, t, b, self.max_num_seqs)
-        ntop = self.num_top
         plp_k = self.config.max_logprobs if want_plp else -1  # one variant, sliced on the host
         static = dict(
             graphdef=self.graphdef,
             opts=self.opts,
-            num_top_logprobs=ntop,
+            num_top_logprobs=self.num_top,
             prompt_logprobs_k=plp_k,
         )
-        key = (t, b, ntop, plp_k) + ops_key
+        key = (t, b, self.num_top, plp_k) + ops_key
         args = (self.params, self.state, ops, batch, self.key, prompts)
-        launched = self.launch("mixed", programs.mixed_step, key, args, static)
+        return "mixed", programs.mixed_step, key, args, static, batch, want_plp
+
+    def _mixed(self, plan: SchedulerOutput, ops: programs.BlockOps, prompts, ops_key):
+        """One ragged batch of the plan's chunks (prefill chunks and decodes)."""
+        chunks = plan.chunks
+        *call, batch, want_plp = self._mixed_call(chunks, plan.num_tokens, ops, prompts, ops_key)
+        launched = self.launch(*call)
         samples = np.asarray(batch.samples[: len(chunks)])
-        return lambda: self._mixed_result(jax.device_get(self.wait(launched)), samples, want_plp)
+        return lambda: StepResult.of_mixed(jax.device_get(self.wait(launched)), samples, want_plp)
 
-    @staticmethod
-    def _mixed_result(out, samples: np.ndarray, want_plp: bool) -> StepResult:
-        """The host's `StepResult` of a mixed step (``samples``: bool[R] of its chunks)."""
-        n = len(samples)
-        ok = np.asarray(out.ok[:n])
-        return StepResult(
-            tokens=out.tokens[None],
-            logprobs=out.logprobs[None],
-            ranks=out.ranks[None],
-            top_ids=out.top_ids[None],
-            top_logprobs=out.top_logprobs[None],
-            made=(ok & samples[:n]).astype(np.int32),
-            ok=ok,
-            num_free=int(out.num_free),
-            cached=out.cached,
-            hits=out.hits,
-            prompt_lp=out.prompt_lp if want_plp else None,
-        )
+    def _decode_rows(self, n: int) -> int:
+        """The rows bucket of a decode loop over ``n`` sequences."""
+        return min(_pow2_at_least(n, _MIN_DECODE_ROWS), _pow2_at_least(self.max_num_seqs))
 
-    def _decode(self, plan: SchedulerOutput, ops: programs.BlockOps, ops_key):
-        """Up to ``plan.decode_steps`` decode steps of the plan's sequences on the device (each
-        row stops at its stop token, max_tokens or the model length)."""
-        seqs = [c.seq for c in plan.chunks]
-        b = min(_pow2_at_least(len(seqs), _MIN_DECODE_ROWS), _pow2_at_least(self.max_num_seqs))
+    def _decode_call(self, seqs: list[Sequence], n: int, ops, ops_key, steps: int) -> tuple:
+        """(kind, fn, key, args, static) of up to ``steps`` decode steps of ``seqs`` in the
+        rows bucket of ``n`` sequences."""
+        b = self._decode_rows(n)
         last = np.zeros(b, np.int32)
         row_slot = np.full(b, -1, np.int32)
         active = np.zeros(b, bool)
@@ -456,36 +455,23 @@ class ModelRunner:
             last[r] = s.output_token_ids[-1]
             row_slot[r] = s.slot
             active[r] = True
-        ntop = self.num_top
         static = dict(
             graphdef=self.graphdef,
             opts=self.opts,
             max_steps=self.config.max_decode_steps,
-            num_top_logprobs=ntop,
+            num_top_logprobs=self.num_top,
         )
-        key = (b, ntop) + ops_key
-        max_len = np.int32(self.max_model_len)
-        args = (self.params, self.state, ops, last, row_slot, active, max_len, self.key)
-        k = np.int32(plan.decode_steps)
-        launched = self.launch("decode", programs.decode_loop, key, (*args, k), static)
-        return lambda: self._decode_result(jax.device_get(self.wait(launched)), len(seqs))
+        max_len, k = np.int32(self.max_model_len), np.int32(steps)
+        args = (self.params, self.state, ops, last, row_slot, active, max_len, self.key, k)
+        return "decode", programs.decode_loop, (b, self.num_top) + ops_key, args, static
 
-    @staticmethod
-    def _decode_result(out, n: int) -> StepResult:
-        """The host's `StepResult` of a decode loop over ``n`` rows."""
-        steps = int(out.num_steps)
-        made = np.sum(out.tokens[:steps, :n] >= 0, axis=0).astype(np.int32)
-        return StepResult(
-            tokens=out.tokens,
-            logprobs=out.logprobs,
-            ranks=out.ranks,
-            top_ids=out.top_ids,
-            top_logprobs=out.top_logprobs,
-            made=made,
-            ok=np.ones(n, bool),
-            num_free=int(out.num_free),
-            cached=out.cached,
-        )
+    def _decode(self, plan: SchedulerOutput, ops: programs.BlockOps, ops_key):
+        """Up to ``plan.decode_steps`` decode steps of the plan's sequences on the device (each
+        row stops at its stop token, max_tokens or the model length)."""
+        seqs = [c.seq for c in plan.chunks]
+        call = self._decode_call(seqs, len(seqs), ops, ops_key, plan.decode_steps)
+        launched = self.launch(*call)
+        return lambda: StepResult.of_decode(jax.device_get(self.wait(launched)), len(seqs))
 
 
 @dataclasses.dataclass

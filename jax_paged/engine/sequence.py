@@ -185,3 +185,39 @@ class StepResult:
     cached: Any = None
     hits: Any = None
     prompt_lp: Any = None
+
+    @classmethod
+    def of_mixed(cls, out, samples: np.ndarray, want_plp: bool) -> StepResult:
+        """The host's `StepResult` of a mixed step (``samples``: bool[R] of its chunks)."""
+        n = len(samples)
+        ok = np.asarray(out.ok[:n])
+        return cls(
+            tokens=out.tokens[None],
+            logprobs=out.logprobs[None],
+            ranks=out.ranks[None],
+            top_ids=out.top_ids[None],
+            top_logprobs=out.top_logprobs[None],
+            made=(ok & samples[:n]).astype(np.int32),
+            ok=ok,
+            num_free=int(out.num_free),
+            cached=out.cached,
+            hits=out.hits,
+            prompt_lp=out.prompt_lp if want_plp else None,
+        )
+
+    @classmethod
+    def of_decode(cls, out, n: int) -> StepResult:
+        """The host's `StepResult` of a decode loop over ``n`` rows."""
+        steps = int(out.num_steps)
+        made = np.sum(out.tokens[:steps, :n] >= 0, axis=0).astype(np.int32)
+        return cls(
+            tokens=out.tokens,
+            logprobs=out.logprobs,
+            ranks=out.ranks,
+            top_ids=out.top_ids,
+            top_logprobs=out.top_logprobs,
+            made=made,
+            ok=np.ones(n, bool),
+            num_free=int(out.num_free),
+            cached=out.cached,
+        )

@@ -1,13 +1,66 @@
-"""The host arrays of a step's inputs, built from the scheduler's plan: the ragged batch of a
-mixed step (`mixed_batch`) and the prompts a step looks up in the prefix cache
-(`lookup_rows`). Plain numpy; `ModelRunner` ships them with the step's call."""
+"""The host arrays of a step's inputs, built from the scheduler's plan: the block ops every
+step starts with (`block_ops`), the ragged batch of a mixed step (`mixed_batch`) and the
+prompts a step looks up in the prefix cache (`lookup_rows`). Plain numpy; `ModelRunner` ships
+them with the step's call."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from jax_paged.engine.programs import MixedBatch
-from jax_paged.engine.sequence import ScheduledChunk, Sequence
+from jax_paged.engine.programs import BlockOps, MixedBatch
+from jax_paged.engine.sequence import ScheduledChunk, SchedulerOutput, Sequence
+
+
+def _pow2_at_least(x: int, lo: int) -> int:
+    return max(lo, 1 << max(0, (max(x, 1) - 1).bit_length()))
+
+
+def block_ops(
+    plan: SchedulerOutput, num_slots: int, stop_width: int, tracks_tokens: bool, tensors
+) -> tuple[BlockOps, tuple]:
+    """The plan's `BlockOps` as padded host arrays, and their shape key.
+
+    Every list has ``num_slots`` entries (-1: none): a shorter bucket for quiet steps doubled
+    the compiled variants, and an online run met the second one mid-run (a 5 s compile).
+    ``tensors(seqs, pad_to)`` gives the sampling tensors of the rows to (re)start; with
+    ``tracks_tokens`` (penalties) their prompts and outputs so far go too, padded to powers of
+    two (at least 16), which the key then names.
+    """
+    seqs, m = plan.row_inits, num_slots
+
+    def slots(values) -> np.ndarray:
+        a = np.full(m, -1, np.int32)
+        a[: len(values)] = values
+        return a
+
+    take_row = np.zeros(m, np.int32)
+    take_row[: len(plan.fresh)] = [c.seq.prefix_row for c in plan.fresh]
+    if tracks_tokens:
+        lp = _pow2_at_least(max((len(q.prompt_token_ids) for q in seqs), default=0), 16)
+        lo = _pow2_at_least(max((len(q.output_token_ids) for q in seqs), default=0), 16)
+        init_prompt = np.full((m, lp), -1, np.int32)
+        init_out = np.full((m, lo), -1, np.int32)
+        for i, q in enumerate(seqs):
+            init_prompt[i, : len(q.prompt_token_ids)] = q.prompt_token_ids
+            init_out[i, : len(q.output_token_ids)] = q.output_token_ids
+        key = (m, stop_width, lp, lo)
+    else:
+        init_prompt, key = None, (m, stop_width)
+        init_out = np.zeros(m, np.int32)
+        init_out[: len(seqs)] = [len(q.output_token_ids) for q in seqs]
+    ops = BlockOps(
+        free_slots=slots(plan.free_slots),
+        fork_parent=slots([p for p, _ in plan.forks]),
+        fork_child=slots([c for _, c in plan.forks]),
+        preempt_slots=slots(plan.preempted_slots),
+        take_slot=slots([c.seq.slot for c in plan.fresh]),
+        take_row=take_row,
+        init_slot=slots([q.slot for q in seqs]),
+        init_out=init_out,
+        init_prompt=init_prompt,
+        init_tensors=tensors(seqs + [None] * (m - len(seqs)), m),
+    )
+    return ops, key
 
 
 def mixed_batch(

@@ -82,7 +82,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-warmup",
         action="store_true",
-        help="skip the start-up request that compiles the first programs",
+        help="skip compiling every step variant at start-up (then the first requests of each "
+        "batch size wait for a compile)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -133,7 +134,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         llm = AsyncLLM(
             args.model, dtype=args.dtype, max_decode_wait_s=wait, metrics=metrics,
-            **engine_kwargs(args),
+            precompile=not args.no_warmup, **engine_kwargs(args),
         )  # fmt: skip
     except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"jax-paged serve: {e}", file=sys.stderr)
@@ -151,8 +152,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _warm_up(llm) -> None:
-    """Runs one short request through the engine thread so the first client does not wait for
-    the prefill, mixed and decode programs to compile."""
+    """Runs one short request through the engine thread (the programs are compiled already,
+    `EngineConfig.precompile`): the first client meets a server that has served."""
     import asyncio
 
     from jax_paged.entrypoints.sampling_params import SamplingParams
