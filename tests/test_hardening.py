@@ -347,9 +347,12 @@ def test_precompile_covers_every_variant_an_online_run_meets(tiny_llama):
     llm = LLM(str(path), precompile=True, max_decode_steps=4, **kw)
     engine = llm.engine
     names = set(engine.get_metrics()["compile_seconds_by_program"])
-    # 128 tokens: mixed at 32, 64, 128; 16 rows: decode at 8, 16; the idle prepare.
-    assert sum(n.startswith("mixed") for n in names) == 3
-    assert sum(n.startswith("decode") for n in names) == 2 and "prepare" in str(names)
+    # On a CPU (`backend.padded_size`): mixed at 16, 24, 32, 48, 64, 96, 128 tokens; decode at
+    # 8, 12, 16 rows; the idle prepare.
+    mixed = sorted(int(n.split("(")[1].split(",")[0]) for n in names if n.startswith("mixed"))
+    decode = sorted(int(n.split("(")[1].split(",")[0]) for n in names if n.startswith("decode"))
+    assert mixed == [16, 24, 32, 48, 64, 96, 128] and decode == [8, 12, 16]
+    assert any(n.startswith("prepare") for n in names)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, size=int(n)).tolist() for n in rng.integers(2, 200, 24)]
     sp = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)

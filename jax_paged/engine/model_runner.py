@@ -18,6 +18,7 @@ a step is one call (`execute`): one `SchedulerOutput` in, one `StepResult` out.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -41,9 +42,9 @@ from jax_paged.sampling import sampler as sampling
 
 logger = logging.getLogger("jax_paged")
 
-# Smallest padded sizes of the compiled steps. Below them a step costs about the same (the
-# weights are read once whatever the batch), so smaller buckets would only add variants.
-_MIN_TOKENS = 32
+# Smallest padded sizes of the compiled steps (`backend.padded_size` gives the others): a
+# mixed step holds a prompt chunk or several decodes, so smaller sizes would be rare variants.
+_MIN_TOKENS = 16
 _MIN_DECODE_ROWS = 8
 
 
@@ -82,6 +83,7 @@ class ModelRunner:
         self.config = config
         self.model_config = mc = model.config
         self.mesh = mesh  # tensor parallelism (`jax_paged.parallel.sharding`), or None: one device
+        self.platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
         self.graphdef, self.params = nnx.split(model)
         if mesh is not None:
             self.params = shard.shard_params(self.params, mesh)
@@ -260,28 +262,15 @@ class ModelRunner:
         logger.info("compiled %s in %.1fs", _program_name(ckey), seconds)
 
     def compile_all(self) -> dict[str, float]:
-        """Compiles, up front, every variant a step can pick under this engine's limits: the
-        mixed step at each token bucket, the decode loop at each row bucket and the idle
-        prepare, as vLLM captures its graphs at start-up. A server that calls it never stalls
-        a request on a compile (SmolLM2 on a CPU: about 4 s per variant, 10 variants). Only
-        the variants for penalties (a per-slot token history) and prompt log-probs still
-        compile on first use. Lowering runs here, compiling on one thread per core. Returns
+        """Compiles, up front, every variant a step can pick under this engine's limits
+        (`variant_names`): the mixed step at each token size, the decode loop at each row size
+        and the idle prepare, as vLLM captures its graphs at start-up. A server that calls it
+        never stalls a request on a compile (SmolLM2 on a CPU: about 4 s per variant). Only the
+        variants for penalties (a per-slot token history) and prompt log-probs still compile
+        on first use. Lowering runs here, compiling on one thread per core. Returns
         {variant name: compile seconds} of the variants compiled now."""
-        ops, ops_key = self._block_ops(SchedulerOutput(chunks=[], preempted=[]))
-        prompts = self._lookup_input([])
-        calls = [self._prepare_call(ops, ops_key, prompts)]
-        t_max = self._mixed_rows(self.max_num_batched_tokens)[0]
-        calls += [
-            self._mixed_call([], _MIN_TOKENS << i, ops, prompts, ops_key)[:5]
-            for i in range(int(math.log2(t_max // _MIN_TOKENS)) + 1)
-        ]
-        b_max = self._decode_rows(self.max_num_seqs)
-        calls += [
-            self._decode_call([], _MIN_DECODE_ROWS << i, ops, ops_key, 1)
-            for i in range(int(math.log2(max(1, b_max // _MIN_DECODE_ROWS))) + 1)
-        ]
         todo = []
-        for kind, fn, key, args, static in calls:
+        for kind, fn, key, args, static in self._variant_calls():
             if (kind,) + key not in self.compiled:
                 if self.mesh is not None:
                     args = shard.put_replicated(args, self.mesh)
@@ -296,6 +285,23 @@ class ModelRunner:
                 self._keep(ckey, compiled, seconds)
         names = [_program_name(ckey) for ckey, _ in todo]
         return {name: self.compile_by_program[name] for name in names}
+
+    def variant_names(self) -> list[str]:
+        """The variants (names as in ``compile_seconds_by_program``) a step can pick under
+        this engine's limits, without penalties or prompt log-probs: what `compile_all`
+        compiles."""
+        return [_program_name((kind,) + key) for kind, _, key, _, _ in self._variant_calls()]
+
+    def _variant_calls(self) -> list[tuple]:
+        ops, ops_key = self._block_ops(SchedulerOutput(chunks=[], preempted=[]))
+        prompts = self._lookup_input([])
+        calls = [self._prepare_call(ops, ops_key, prompts)]
+        # Each size a step of 1 .. the limit can be padded to, once.
+        tokens = {self._mixed_rows(n)[0]: n for n in range(1, self.max_num_batched_tokens + 1)}
+        calls += [self._mixed_call([], n, ops, prompts, ops_key)[:5] for n in tokens.values()]
+        rows = {self._decode_rows(n): n for n in range(1, self.max_num_seqs + 1)}
+        calls += [self._decode_call([], n, ops, ops_key, 1) for n in rows.values()]
+        return calls
 
     def _tensors(self, seqs: list[Sequence | None], pad_to: int, on_host: bool = True):
         """The sampling parameters of ``seqs`` (None: an empty row), ``pad_to`` rows."""
@@ -411,11 +417,11 @@ class ModelRunner:
 
     def _mixed_rows(self, num_tokens: int) -> tuple[int, int]:
         """The (tokens, rows) bucket of a mixed step of ``num_tokens`` tokens."""
-        t = _pow2_at_least(num_tokens, _MIN_TOKENS)
-        t = min(t, _pow2_at_least(self.max_num_batched_tokens, _MIN_TOKENS))
+        size = functools.partial(backend.padded_size, platform=self.platform)
+        t = min(size(num_tokens, _MIN_TOKENS), size(self.max_num_batched_tokens, _MIN_TOKENS))
         # Rows follow tokens (each row has >= 1 token), so one bucket axis: t in 32, 64, ...,
         # max_num_batched_tokens, b = min(t, max_num_seqs) rows (the LM head runs on b rows).
-        return t, min(t, _pow2_at_least(self.max_num_seqs, 4))
+        return t, min(t, size(self.max_num_seqs, 4))
 
     def _mixed_call(self, chunks, num_tokens: int, ops, prompts, ops_key) -> tuple:
         """(kind, fn, key, args, static, batch, want_plp) of a mixed step over ``chunks``."""
@@ -442,7 +448,8 @@ class ModelRunner:
 
     def _decode_rows(self, n: int) -> int:
         """The rows bucket of a decode loop over ``n`` sequences."""
-        return min(_pow2_at_least(n, _MIN_DECODE_ROWS), _pow2_at_least(self.max_num_seqs))
+        size = functools.partial(backend.padded_size, platform=self.platform)
+        return min(size(n, _MIN_DECODE_ROWS), size(self.max_num_seqs, 1))
 
     def _decode_call(self, seqs: list[Sequence], n: int, ops, ops_key, steps: int) -> tuple:
         """(kind, fn, key, args, static) of up to ``steps`` decode steps of ``seqs`` in the
