@@ -272,3 +272,28 @@ def test_engine_holds_split_kernels_and_its_programs_copy_none():
     for key, compiled in llm.engine.runner.compiled.items():
         bad = _dynamic_slices_of_mlp_kernels(compiled.as_text())
         assert not bad, f"{key[0]} copies layer kernels:\n" + "\n".join(bad)
+
+
+def test_step_sizes_per_platform():
+    """`backend.padded_size`: at least ``lo`` and never below ``n``; on a CPU the powers of two
+    and their 1.5x multiples (padding at most a third), elsewhere powers of two."""
+    from jax_paged import backend
+
+    cpu = sorted({backend.padded_size(n, 16, "cpu") for n in range(1, 513)})
+    assert cpu == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    gpu = sorted({backend.padded_size(n, 16, "gpu") for n in range(1, 513)})
+    assert gpu == [16, 32, 64, 128, 256, 512]
+    for n in range(1, 2000):
+        for platform in ("cpu", "tpu"):
+            p = backend.padded_size(n, 8, platform)
+            assert p >= max(n, 8) and backend.padded_size(p, 8, platform) == p
+        p = backend.padded_size(n, 8, "cpu")
+        assert n < 8 or 3 * (p - n) <= p  # at most a third of a CPU step is padding
+    assert [backend.padded_size(n, 8, "cpu") for n in (1, 9, 12, 13, 17, 25)] == [
+        8,
+        12,
+        12,
+        16,
+        24,
+        32,
+    ]
