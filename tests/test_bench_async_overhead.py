@@ -19,13 +19,15 @@ def test_quick_run_makes_every_token_in_each_front(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out_file = tmp_path / "ao.json"
-    out = mod.main(["--quick", "--output", str(out_file)])
+    # Compiling on first use keeps the smoke test short; the benchmark itself precompiles.
+    out = mod.main(["--quick", "--no-precompile", "--output", str(out_file)])
     assert json.loads(out_file.read_text()) == json.loads(json.dumps(out))
     runs = out["runs"]
     assert set(runs) == {"LLM.generate", "AsyncLLM no cap", "AsyncLLM max_decode_wait_ms=50"}
     for name, r in runs.items():
         assert r["generated_tokens"] == 8 * 32, name  # --quick: 8 prompts x 32 tokens
         assert r["wall_s"] > 0 and r["num_device_calls"] >= 1, name
+        assert r["compile_seconds"] >= 0 and r["compiled_variants"] >= 0, name
     # The cap cuts decode calls short, so it never makes fewer calls than no cap.
     assert (
         runs["AsyncLLM max_decode_wait_ms=50"]["num_steps"] >= runs["AsyncLLM no cap"]["num_steps"]
