@@ -28,8 +28,7 @@ def test_quick_run_makes_every_token_in_each_front(tmp_path):
         assert r["generated_tokens"] == 8 * 32, name  # --quick: 8 prompts x 32 tokens
         assert r["wall_s"] > 0 and r["num_device_calls"] >= 1, name
         assert r["compile_seconds"] >= 0 and r["compiled_variants"] >= 0, name
-    # The cap cuts decode calls short, so it never makes fewer calls than no cap.
-    assert (
-        runs["AsyncLLM max_decode_wait_ms=50"]["num_steps"] >= runs["AsyncLLM no cap"]["num_steps"]
-    )
+        # How many steps a front takes depends on when its requests reach the engine loop (and,
+        # with --no-precompile, on compiles), so no ordering between the fronts is asserted.
+        assert r["num_steps"] >= 1, name
     assert len(out["run"]["commit"]) == 40 and out["run"]["machine"]["memory_bandwidth_gb_s"] > 0
