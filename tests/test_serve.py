@@ -333,6 +333,8 @@ def test_tokenize_and_detokenize(server, offline):
 # Concurrency, disconnects, bad requests, the key, the metrics
 
 
+# The fast tier streams concurrently from several threads in test_serve_async.py.
+@pytest.mark.slow
 def test_32_concurrent_streams_each_get_their_own_tokens(server, offline):
     prompts = [[7 + i, 30 + 2 * i, 90 + i, 11, 12 + i % 5] for i in range(32)]
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
