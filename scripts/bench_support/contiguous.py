@@ -1,8 +1,7 @@
 """A contiguous-KV-cache engine with static batching: the baseline that paging is measured against.
 
 What the vLLM paper's Orca / FasterTransformer comparison isolates, built from the same model
-code (`models.Transformer.forward` with an attention function of its own) so that only the KV
-management differs from `LLMEngine`:
+and the same attention kernel as `LLMEngine`, so that only the KV management differs:
 
 - every running sequence reserves ``max_model_len`` contiguous KV slots up front, whatever its
   real length: a KV budget of ``num_kv_slots`` tokens holds ``num_kv_slots // max_model_len``
@@ -14,14 +13,13 @@ management differs from `LLMEngine`:
 - no paging, no sharing, no prefix cache, no preemption.
 
 Greedy decoding only (``temperature=0``, ``n=1``, no ``min_tokens``); ``max_tokens``,
-``ignore_eos`` and ``stop_token_ids`` are honoured. The cache is one pair of buffers
-``[L, R, S, KVH, D]`` (``R`` reserved rows, ``S = max_model_len``), written in place. Decode
-runs up to ``max_decode_steps`` tokens per device call inside a `lax.scan`, as `LLMEngine`
-does, and its attention reads only the first ``C`` positions of each row, ``C`` the smallest
-power of two (at least 16) that covers the batch's longest sequence at the end of the call: its
-cost follows the live lengths, not ``max_model_len``. Shapes are bucketed to powers of two
-(active rows, prompt width, steps per call, ``C``), so a handful of programs serve any
-workload.
+``ignore_eos`` and ``stop_token_ids`` are honoured. Attention is the paged engine's own
+(`jax_paged.engine.programs.paged_attn`, the same kernel for the platform) over a cache laid
+out contiguously: row ``r`` owns the fixed run of blocks ``tables[r]`` covering
+``max_model_len`` slots, so the kernel reads each row's live tokens only and the comparison
+with `LLMEngine` isolates the KV management. Decode runs up to ``max_decode_steps`` tokens per
+device call inside a `lax.scan`, as `LLMEngine` does. Shapes are bucketed to powers of two
+(active rows, prompt width, steps per call), so a handful of programs serve any workload.
 
     eng = ContiguousEngine(loaded, max_model_len=512, num_kv_slots=4096)   # 8 rows
     outs = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=16))
@@ -44,9 +42,10 @@ import numpy as np
 from flax import nnx
 
 from jax_paged.backend import argmax_last, prepare_params
+from jax_paged.engine.programs import AttentionOptions, paged_attn
 from jax_paged.entrypoints.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jax_paged.entrypoints.sampling_params import SamplingParams
-from models.llama import dense_attention
+from jax_paged.memory.kv_cache import KVCache
 
 __all__ = ["ContiguousEngine", "kv_bytes_per_token"]
 
@@ -60,78 +59,33 @@ def _pow2_at_least(x: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, int(x) - 1).bit_length())
 
 
-def _prefill_attention(config, nb: int, t: int):
-    """Attention over a flattened batch of ``nb`` right-padded prompts of width ``t``.
-
-    q[1, nb*t, H, D]; k/v written into rows 0..nb-1, positions 0..t-1 of the cache; each row
-    attends causally within itself (pad positions hold garbage that no real query reads)."""
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (nb, t))
-
-    def attn(layer, q, k, v, kv, sliding_window=config.sliding_window):
-        k_all, v_all = kv
-        h, d = q.shape[2], q.shape[3]
-        kvh = k.shape[2]
-        q = q.reshape(nb, t, h, d)
-        k = k.reshape(nb, t, kvh, d).astype(k_all.dtype)
-        v = v.reshape(nb, t, kvh, d).astype(v_all.dtype)
-        start = (layer, 0, 0, 0, 0)
-        k_all = jax.lax.dynamic_update_slice(k_all, k[None], start)
-        v_all = jax.lax.dynamic_update_slice(v_all, v[None], start)
-        out = dense_attention(
-            q,
-            k,
-            v,
-            scale=config.scale,
-            q_positions=pos,
-            k_positions=pos,
-            sliding_window=sliding_window,
-        )
-        return out.reshape(1, nb * t, h, d), (k_all, v_all)
-
-    return attn
+def _row_slots(tables, rows, positions, block_size: int):
+    """KV slots of ``positions`` in ``rows``: each row owns its blocks ``tables[row]``."""
+    return tables[rows, positions // block_size] * block_size + positions % block_size
 
 
-def _decode_attention(config, nb: int, ctx: int, positions):
-    """One new token per row at ``positions`` i32[nb]: write its K/V, attend over [0, ctx)."""
-    rows = jnp.arange(nb)
-    kpos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (nb, ctx))
+@functools.partial(jax.jit, static_argnames=("graphdef", "nb", "t", "opts"), donate_argnames="kv")
+def _prefill(graphdef, state, kv, tokens, lens, tables, *, nb, t, opts):
+    """tokens i32[nb, t] (right-padded), lens i32[nb] -> (greedy next token i32[nb], kv).
 
-    def attn(layer, q, k, v, kv, sliding_window=config.sliding_window):
-        k_all, v_all = kv
-        k_all = k_all.at[layer, rows, positions].set(k[:, 0].astype(k_all.dtype))
-        v_all = v_all.at[layer, rows, positions].set(v[:, 0].astype(v_all.dtype))
-        size = (1, nb, ctx, k_all.shape[3], k_all.shape[4])
-        k_live = jax.lax.dynamic_slice(k_all, (layer, 0, 0, 0, 0), size)[0]
-        v_live = jax.lax.dynamic_slice(v_all, (layer, 0, 0, 0, 0), size)[0]
-        out = dense_attention(
-            q,
-            k_live,
-            v_live,
-            scale=config.scale,
-            q_positions=positions[:, None],
-            k_positions=kpos,
-            sliding_window=sliding_window,
-        )
-        return out, (k_all, v_all)
-
-    return attn
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "nb", "t"), donate_argnames="kv")
-def _prefill(graphdef, state, kv, tokens, lens, *, nb, t):
-    """tokens i32[nb, t] (right-padded), lens i32[nb] -> (greedy next token i32[nb], kv)."""
+    The rows run as a ragged batch of ``nb`` chunks of ``t`` tokens: each attends causally
+    within itself; pad positions hold K/V that no real query reads and decode overwrites."""
     model = nnx.merge(graphdef, state)
-    flat_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (nb, t)).reshape(1, nb * t)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (nb, t)).reshape(nb * t)
+    rows = jnp.repeat(jnp.arange(nb, dtype=jnp.int32), t)
+    tables = tables[:nb]
+    slots = _row_slots(tables, rows, pos, kv.block_size)
+    cu = jnp.arange(nb + 1, dtype=jnp.int32) * t
+    attn = paged_attn(opts, slots, tables, jnp.full((nb,), t, jnp.int32), cu, jnp.int32(nb))
     last = jnp.arange(nb, dtype=jnp.int32) * t + jnp.maximum(lens, 1) - 1
-    attn = _prefill_attention(model.config, nb, t)
-    logits, kv = model.forward(tokens.reshape(1, nb * t), flat_pos, attn, kv, logits_indices=last)
+    logits, kv = model.forward(tokens.reshape(1, nb * t), pos[None], attn, kv, logits_indices=last)
     return argmax_last(logits[0]), kv
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "nb", "steps", "ctx"), donate_argnames="kv"
+    jax.jit, static_argnames=("graphdef", "nb", "steps", "opts"), donate_argnames="kv"
 )
-def _decode(graphdef, state, kv, last, n_cached, remaining, stop_ids, *, nb, steps, ctx):
+def _decode(graphdef, state, kv, last, n_cached, remaining, stop_ids, tables, *, nb, steps, opts):
     """``steps`` greedy decode steps for ``nb`` rows.
 
     last i32[nb]: the latest token (its K/V not yet cached); n_cached i32[nb]: tokens cached,
@@ -141,15 +95,17 @@ def _decode(graphdef, state, kv, last, n_cached, remaining, stop_ids, *, nb, ste
     done), the new (last, n_cached, remaining) and kv.
     """
     model = nnx.merge(graphdef, state)
-    max_pos = kv[0].shape[2] - 1
+    tables = tables[:nb]
+    max_pos = tables.shape[1] * kv.block_size - 1
+    rows = jnp.arange(nb, dtype=jnp.int32)
 
     def one(carry, _):
         kv, last, n, rem = carry
         live = rem > 0
         pos = jnp.minimum(n, max_pos)
-        attn = _decode_attention(model.config, nb, ctx, pos)
-        logits, kv = model.forward(last[:, None], pos[:, None], attn, kv)
-        nxt = argmax_last(logits[:, 0])
+        attn = paged_attn(opts, _row_slots(tables, rows, pos, kv.block_size), tables, pos + 1)
+        logits, kv = model.forward(last[None], pos[None], attn, kv)  # rows as one ragged batch
+        nxt = argmax_last(logits[0])
         hit = jnp.any(stop_ids == nxt[:, None], axis=-1)
         out = jnp.where(live, nxt, -1)
         rem = jnp.where(live & ~hit, rem - 1, 0)
@@ -186,6 +142,8 @@ class ContiguousEngine:
         Rows = min(budget // max_model_len, max_num_seqs); at least one row must fit.
       max_num_seqs: cap on the rows (sequences decoded together).
       max_decode_steps: decode steps per device call.
+      block_size: slots per block of the cache layout (rows are whole runs of blocks).
+      attention_impl: the kernel, as `EngineConfig.attention_impl`.
     """
 
     def __init__(
@@ -197,6 +155,8 @@ class ContiguousEngine:
         kv_cache_memory_bytes: int | None = None,
         max_num_seqs: int = 256,
         max_decode_steps: int = 32,
+        block_size: int = 16,
+        attention_impl: str = "auto",
     ):
         cfg = loaded.config
         self.loaded = loaded
@@ -228,8 +188,24 @@ class ContiguousEngine:
         self.graphdef, self.state = nnx.split(loaded.model)
         # The weights as the paged engine holds them (on a CPU: per-layer kernels).
         self.state = prepare_params(loaded.model, self.state)
-        shape = (cfg.num_layers, self.num_rows, self.max_model_len, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+        # Row r owns the contiguous run of blocks tables[r] (block 0 is the kernels' null
+        # block): the layout of a contiguous cache, read by the paged engine's kernel.
+        per_row = -(-self.max_model_len // block_size)
+        self.tables = jnp.arange(self.num_rows * per_row, dtype=jnp.int32).reshape(-1, per_row) + 1
+        self.kv = KVCache.create(
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            block_size=block_size,
+            num_blocks=1 + self.num_rows * per_row,
+            dtype=self.dtype,
+        )
+        self.opts = AttentionOptions(
+            scale=cfg.scale,
+            sliding_window=cfg.sliding_window,
+            soft_cap=getattr(cfg, "attn_logit_softcapping", None),
+            impl=attention_impl,
+        )
         self.waiting: list[_Req] = []
         self.batch: list[_Req] = []
         self._row_state = None  # device arrays of the running batch
@@ -315,8 +291,10 @@ class ContiguousEngine:
             self.kv,
             jnp.asarray(tokens),
             jnp.asarray(lens),
+            self.tables,
             nb=nb,
             t=t,
+            opts=self.opts,
         )
         first = np.asarray(first)
         e = max(1, max(len(self._stops(r)) for r in reqs))
@@ -338,7 +316,6 @@ class ContiguousEngine:
             stop_ids=jnp.asarray(stop_ids),
             nb=nb,
         )
-        self._host_len = lens.copy()
         self._host_rem = remaining.copy()
         return self._finish_step(reqs)
 
@@ -369,10 +346,8 @@ class ContiguousEngine:
         nb = rs["nb"]
         left = int(self._host_rem.max())
         steps = min(self.max_decode_steps, _pow2_at_least(left))
-        longest = int(self._host_len.max()) + steps
-        ctx = min(_pow2_at_least(longest, lo=16), self.max_model_len)
         toks, last, n, rem, self.kv = self._call(
-            ("decode", nb, steps, ctx),
+            ("decode", nb, steps),
             _decode,
             self.state,
             self.kv,
@@ -380,9 +355,10 @@ class ContiguousEngine:
             rs["n"],
             rs["rem"],
             rs["stop_ids"],
+            self.tables,
             nb=nb,
             steps=steps,
-            ctx=ctx,
+            opts=self.opts,
         )
         rs.update(last=last, n=n, rem=rem)
         toks = np.asarray(toks)
@@ -398,7 +374,6 @@ class ContiguousEngine:
                 self._append(r, tok, now, stops)
             progressed.append(r)
         self._stats["wasted_row_steps"] += int(nb * steps - (toks >= 0).sum())
-        self._host_len = np.asarray(n).copy()
         self._host_rem = np.asarray(rem).copy()
         return self._finish_step(progressed)
 
