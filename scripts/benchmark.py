@@ -157,13 +157,6 @@ class KVMeter:
         )
 
 
-def cached_tokens(outs) -> int:
-    """K/V positions held by the sequences of these step outputs: prompt + generated - 1 (the
-    latest token's K/V is written by the next step). ``drive`` passes the outputs of the
-    sequences still running after the step, matching the KV slots still allocated then."""
-    return sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
-
-
 # ----------------------------------------------------------------------------------------------
 # Driving the engines (offline or with arrivals)
 
@@ -191,11 +184,16 @@ class PagedSystem:
     def metrics(self) -> dict:
         return self.engine.get_metrics()
 
+    def held_tokens(self) -> int:
+        """K/V positions written for the running sequences (mid-prefill ones included)."""
+        return sum(s.num_computed for s in self.engine.scheduler.running)
+
     def allocated(self) -> int:
-        """KV slots held by sequences after the step: used blocks x block size (evictable
-        cached blocks count as free; the null block does not count)."""
-        m = self.engine.get_metrics()
-        return round(m["kv_usage"] * (m["num_kv_blocks"] - 1)) * self.block_size
+        """KV slots the next step cannot give out: blocks in use x block size. Free and
+        evictable cached blocks do not count, nor the blocks of finished sequences that the
+        next step frees before it reserves (the scheduler's pool leaves out the null block)."""
+        sched = self.engine.scheduler
+        return (sched.num_blocks - sched.num_available_blocks) * self.block_size
 
 
 class ContiguousSystem:
@@ -212,6 +210,10 @@ class ContiguousSystem:
 
     def metrics(self) -> dict:
         return self.engine.get_metrics()
+
+    def held_tokens(self) -> int:
+        """K/V positions of the running batch's unfinished members that hold real tokens."""
+        return self.engine.kv_stats()["tokens"]
 
     def allocated(self) -> int:
         """KV slots reserved after the step: the running batch's rows x max_model_len (a
@@ -260,8 +262,7 @@ def drive(system, requests, arrivals=None) -> dict:
                 seen.append((t, len(toks)))
             if o.finished:
                 final[o.request_id] = list(toks)
-        live = [o for o in outs if not o.finished]
-        meter.sample(t, cached_tokens(live), system.allocated(), system.budget, len(outs))
+        meter.sample(t, system.held_tokens(), system.allocated(), system.budget, len(outs))
     wall = time.perf_counter() - t0
     after = system.metrics()
     out_tokens = sum(len(v) for v in final.values())

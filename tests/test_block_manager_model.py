@@ -178,8 +178,18 @@ class Harness:
 
     def op_free(self):
         mask = self.rng.random(self.s) < 0.35
+        if self.rng.random() < 0.3:  # one slot alone: exactly what it held alone comes back
+            mask = np.arange(self.s) == self.rng.integers(self.s)
+        # What each slot holds alone is what freeing it gives back; slots freed together may
+        # also give back the blocks only they shared.
+        sole = np.asarray(bm.sole_blocks(self.state))
+        before = self.ref.num_free_blocks()
         self.state = self.free(self.state, mask)
         self.ref.free(mask)
+        freed = self.ref.num_free_blocks() - before
+        assert freed >= int(sole[mask].sum()), (freed, sole, mask)
+        if mask.sum() == 1:
+            assert freed == int(sole[mask].sum()), (freed, sole, mask)
         for s in range(self.s):
             if mask[s]:
                 if self.truth[s]:

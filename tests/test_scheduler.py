@@ -3,6 +3,8 @@
 import random
 from types import SimpleNamespace
 
+import numpy as np
+
 from jax_paged.engine.scheduler import Scheduler
 from jax_paged.engine.sequence import Sequence, SequenceStatus, blocks_for
 from jax_paged.entrypoints.sampling_params import SamplingParams
@@ -24,7 +26,11 @@ def _run_step(sched, out, sample_token=7):
     held = sum(sched.held_blocks(s) for s in sched.running)
     n = len(out.chunks)
     made = [int(c.samples) for c in out.chunks]
-    report = SimpleNamespace(ok=[True] * n, made=made, num_free=sched.num_blocks - held, hits=None)
+    sole = np.zeros(sched.max_num_seqs, np.int32)  # nothing is shared in these tests
+    for s in sched.running:
+        sole[s.slot] = sched.held_blocks(s)
+    free = sched.num_blocks - held
+    report = SimpleNamespace(ok=[True] * n, made=made, num_free=free, sole=sole, hits=None)
     sched.update(out, report)
     assert (
         sum(sched.held_blocks(s) for s in sched.running) + sched.num_free_blocks == sched.num_blocks
@@ -44,7 +50,8 @@ def _idle(sched):
     """The idle engine's call: frees what finished; the device reports a whole free pool."""
     plan = sched.idle_plan()
     assert plan is not None and plan.free_slots
-    sched.update(plan, SimpleNamespace(ok=[], made=[], num_free=sched.num_blocks, hits=None))
+    report = SimpleNamespace(ok=[], made=[], num_free=sched.num_blocks, sole=None, hits=None)
+    sched.update(plan, report)
 
 
 def test_budget_and_chunked_prefill():
@@ -71,6 +78,23 @@ def test_fcfs_admission_waits_for_blocks():
     sched.add(small)
     out = sched.schedule()
     assert out.chunks == [] and list(sched.waiting) == [big, small]
+
+
+def test_next_plan_spends_the_blocks_of_what_finished():
+    """The step after a sequence finishes frees its slot first, so its plan may already give
+    those blocks to a waiting sequence (counting only the device's free count would make the
+    newcomer wait one more step)."""
+    sched = Scheduler(num_blocks=3, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = _seq(0, 8, max_tokens=1), _seq(1, 8)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [c.seq for c in out.chunks] == [a]  # b needs 2 blocks, 1 is left
+    assert _run_step(sched, out) == [a] and sched.num_free_blocks == 1
+    assert sched.num_available_blocks == 3
+    out = sched.schedule()
+    assert out.free_slots == [0] and [c.seq for c in out.chunks] == [b]
+    assert sched.num_available_blocks == sched.num_free_blocks  # the frees are in this plan
 
 
 def test_preempts_youngest_and_requeues_first():

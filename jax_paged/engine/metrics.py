@@ -74,7 +74,7 @@ class EngineMetrics:
         the running sequences of ``lengths`` tokens would hold without sharing) against
         physical blocks in use (cached-but-free excluded), as the scheduler last heard."""
         num_blocks = scheduler.num_blocks
-        used = num_blocks - scheduler.num_free_blocks
+        used = num_blocks - scheduler.num_available_blocks
         self.peak_kv_usage = max(self.peak_kv_usage, used / max(1, num_blocks))
         bs = scheduler.block_size
         self.counts["logical_block_steps"] += sum(blocks_for(n, bs) for n in lengths)
@@ -84,7 +84,7 @@ class EngineMetrics:
         """The `LLMEngine.get_metrics` dict."""
         c = self.counts
         elapsed = time.perf_counter() - self.start
-        used = scheduler.num_blocks - scheduler.num_free_blocks
+        used = scheduler.num_blocks - scheduler.num_available_blocks
         m = dict(c)
         m.update(
             num_device_calls=runner.num_calls,

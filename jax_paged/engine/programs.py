@@ -155,6 +155,7 @@ class StepOutput(struct.PyTreeNode):
     top_ids: jax.Array  # i32[B, N]
     top_logprobs: jax.Array  # f32[B, N]
     num_free: jax.Array  # i32[] free blocks after the step
+    sole: jax.Array  # i32[S] blocks freeing each slot would give back (`bm.sole_blocks`)
     ok: jax.Array  # bool[B] the row's reservation succeeded (False: nothing ran for it)
     cached: jax.Array  # i32[M] tokens each take started from (`apply_ops`)
     hits: Any = None  # (i32[M], i32[M]) what the lookup after the step found, or None
@@ -240,6 +241,7 @@ def mixed_step(
         top_ids=out.top_ids,
         top_logprobs=out.top_logprobs,
         num_free=bm.num_free_blocks(blocks),
+        sole=bm.sole_blocks(blocks),
         ok=res.ok[safe_slot] | ~row_valid,
         cached=cached,
         hits=hits,
@@ -257,6 +259,7 @@ class DecodeOutput(struct.PyTreeNode):
     top_logprobs: jax.Array  # f32[K, B, N]
     num_steps: jax.Array  # i32[] steps run
     num_free: jax.Array  # i32[]
+    sole: jax.Array  # i32[S] as `StepOutput.sole`
     cached: jax.Array  # i32[M] tokens each take started from (`apply_ops`)
 
 
@@ -357,6 +360,7 @@ def decode_loop(
         top_logprobs=jnp.zeros((max_steps, b, n), jnp.float32),
         num_steps=jnp.int32(0),
         num_free=jnp.int32(0),
+        sole=jnp.zeros((state.blocks.max_seqs,), jnp.int32),
         cached=cached,
     )
 
@@ -398,7 +402,8 @@ def decode_loop(
         return state, last, ok & ~stop, out
 
     state, _, _, out = lax.while_loop(cond, body, (state, last_tokens, active, out0))
-    return state, out.replace(num_free=bm.num_free_blocks(state.blocks))
+    blocks = state.blocks
+    return state, out.replace(num_free=bm.num_free_blocks(blocks), sole=bm.sole_blocks(blocks))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -111,6 +111,10 @@ class Scheduler:
         for s in list(self.running):
             self._preempt(s)
         self.num_free_blocks = self.num_blocks  # as the device last reported
+        # Blocks the slots queued in `_to_free` hold alone (the device's last `sole` count):
+        # the next step frees them before it reserves, so its plan may spend them.
+        self._sole = None
+        self._pending_free = 0
         self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
         self._to_free: list[int] = []
         self._forks: list[tuple[int, int]] = []
@@ -143,6 +147,12 @@ class Scheduler:
             s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
         req.pending_forks = []
 
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks the next step can reserve: the device's last free count plus the blocks that
+        the slots it frees first (finished, aborted, preempted since) held alone."""
+        return self.num_free_blocks + self._pending_free
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -168,6 +178,8 @@ class Scheduler:
         returns the blocks it held."""
         held = self.held_blocks(seq)
         seq.num_blocks = 0
+        if self._sole is not None:
+            self._pending_free += int(self._sole[seq.slot])
         self.free_slots.append(seq.slot)
         self._to_free.append(seq.slot)
         seq.slot = None
@@ -216,7 +228,7 @@ class Scheduler:
         """
         self._fork_ready()
         free_slots, self._to_free = self._to_free, []
-        budget, avail = self.max_num_batched_tokens, self.num_free_blocks
+        budget, avail = self.max_num_batched_tokens, self.num_available_blocks
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         fresh: list[ScheduledChunk] = []
@@ -282,7 +294,7 @@ class Scheduler:
             admitted=admitted,
             running=list(self.running),
         )
-        self._to_free, self._forks = [], []
+        self._to_free, self._forks, self._pending_free = [], [], 0
         if plan.loopable and not self.waiting and max_decode_steps > 1:
             seqs = [c.seq for c in chunks]
             plan.decode_steps = self.decode_horizon(seqs, max_decode_steps, max_model_len, avail)
@@ -302,7 +314,7 @@ class Scheduler:
         if not lookups and (self.waiting or not self._to_free):
             return None
         plan = SchedulerOutput(chunks=[], preempted=[], free_slots=self._to_free, lookups=lookups)
-        self._to_free = []
+        self._to_free, self._pending_free = [], 0
         return plan
 
     def _could_hit(self, q: Sequence) -> bool:
@@ -369,6 +381,7 @@ class Scheduler:
         tokens of row ``r``, reserving exactly those), the first blocks now cached, and the
         lookup's hints for the next step."""
         self.num_free_blocks = result.num_free
+        self._sole = result.sole
         for s in plan.row_inits:
             s.needs_row_init = False
         for r, c in enumerate(plan.chunks):

@@ -169,6 +169,8 @@ class StepResult:
       made: i32[R] tokens each chunk's sequence sampled (decode loop: its tokens made).
       ok: bool[R] the chunk ran (False: the device refused its reservation; nothing ran).
       num_free: free blocks after the step (evictable cached blocks included).
+      sole: i32[S] blocks each block-manager slot holds alone after the step (what freeing it
+        gives back); None when the program did not report it.
       cached: i32[S] tokens each take started from. hits: per looked-up prompt of the plan,
         (cached tokens, evictable blocks among them); None when nothing was looked up.
       prompt_lp: the prompt log-probs arrays when the step computed them, else None.
@@ -182,6 +184,7 @@ class StepResult:
     made: np.ndarray
     ok: np.ndarray
     num_free: int
+    sole: Any = None
     cached: Any = None
     hits: Any = None
     prompt_lp: Any = None
@@ -200,6 +203,7 @@ class StepResult:
             made=(ok & samples[:n]).astype(np.int32),
             ok=ok,
             num_free=int(out.num_free),
+            sole=np.asarray(out.sole),
             cached=out.cached,
             hits=out.hits,
             prompt_lp=out.prompt_lp if want_plp else None,
@@ -219,5 +223,6 @@ class StepResult:
             made=made,
             ok=np.ones(n, bool),
             num_free=int(out.num_free),
+            sole=np.asarray(out.sole),
             cached=out.cached,
         )

@@ -219,6 +219,14 @@ def num_free_blocks(state: BlockManagerState) -> jax.Array:
     return state.num_free + state.num_evictable
 
 
+def sole_blocks(state: BlockManagerState) -> jax.Array:
+    """i32[S]: blocks only this slot holds (refcount 1): what freeing it gives back to the pool
+    (free or evictable); blocks shared by forks or prefix hits are not counted."""
+    t = state.block_tables
+    sole = (t != NULL_BLOCK) & (state.ref_counts[t] == 1)
+    return jnp.where(state.live, jnp.sum(sole, axis=1, dtype=jnp.int32), 0)
+
+
 def _cdiv(a, b):
     return (a + b - 1) // b
 
