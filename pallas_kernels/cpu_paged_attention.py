@@ -6,10 +6,11 @@ its cost. This kernel reads the pages in place. One work item is one query row a
 (`cpu_paged_attention.cc`): its ``G = H / KVH`` query heads walk the row's visible keys through
 the block table, straight out of the stacked pool ``[L, KVH, N, bs, D]``, each key and value
 row loaded once for all G heads, take an exact float32 softmax and read the values the same
-way. The items are shared out over XLA's own intra-op thread pool. On 2 threads, SmolLM2's 30
-layers of decode attention at batch 64 and contexts of 60-140 took about 13-14 ms with float32
-pages (295 MB of K/V; a plain read of the same pages, about 9.4 ms) and 8.4 ms with bfloat16
-pages (`docs/benchmarks.md` has the engine's figures from `scripts/bench_decode.py`). Rows,
+way. The items are shared out over XLA's own intra-op thread pool. On 2 threads of a
+Sapphire Rapids, SmolLM2's 30 layers of decode attention at batch 64 with 100 keys per row take
+19-23 ms with float32 pages (295 MB of K/V, 13-16 GB/s against about 25 GB/s of read
+bandwidth) and 15-16 ms with bfloat16 pages (`docs/benchmarks.md` has the engine's figures
+from `scripts/bench_decode.py`). Rows,
 positions and padding come from `layout.ragged_rows`, as for every other implementation, so
 the contract is the reference's (docs/DESIGN.md): rows see keys ``max(0, pos - window + 1) ..
 pos``, soft cap ``cap * tanh(s / cap)``, padding rows and rows
