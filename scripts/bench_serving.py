@@ -445,7 +445,10 @@ def main(argv=None) -> dict:
         args.model_path = str(write_tiny_chat_model(tmp / "tiny"))
         args.model, args.num_prompts, args.input_len, args.output_len = "tiny", 16, 32, 16
         args.request_rate, args.vocab_range = "inf,20", "3,256"
-        args.server_args = args.server_args or "--num-kv-blocks 256 --max-num-seqs 16"
+        # Small engine limits: the server compiles every step variant they allow at start-up.
+        args.server_args = args.server_args or (
+            "--num-kv-blocks 256 --max-num-seqs 16 --max-num-batched-tokens 64"
+        )
         if not args.shared_prefix_len:
             args.shared_prefix_len = 16
     args.rates = _rates(args.request_rate)

@@ -107,6 +107,9 @@ def run(argv=None) -> dict:
     ap.add_argument("--mean-output", type=float, default=40.0)
     ap.add_argument("--rate", type=float, default=2.0, help="mean new requests per step")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget of one step"
+    )
     ap.add_argument("--seed", type=int, default=0)
     add_output_arg(ap, "variants_cpu_tiny_llama.json")
     args = ap.parse_args(argv)
@@ -117,7 +120,12 @@ def run(argv=None) -> dict:
         loaded = models.load(None if args.model == "default" else args.model)
     vocab = loaded.config.vocab_size
     work = make_workload(args.num_requests, vocab, args.mean_prompt, args.mean_output, args.seed)
-    llm = LLM(loaded, max_num_seqs=args.max_num_seqs, max_model_len=2048)
+    llm = LLM(
+        loaded,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=2048,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     engine = llm.engine
     rng = np.random.default_rng(args.seed + 1)
     t0 = time.perf_counter()

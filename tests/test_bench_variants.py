@@ -21,7 +21,8 @@ def _load():
 @pytest.mark.slow
 def test_mixed_run_stays_within_the_variant_goal():
     mod = _load()
-    out = mod.run(["--num-requests", "80", "--max-num-seqs", "16", "--mean-prompt", "60"])
+    args = ["--num-requests", "80", "--max-num-seqs", "16", "--mean-prompt", "60"]
+    out = mod.run(args + ["--max-num-batched-tokens", "128"])
     assert out["finished"] == 80 and out["output_tokens"] > 80
     assert len(out["run"]["commit"]) == 40
     assert out["compiled_variants"] == len(out["compile_seconds_by_program"])
@@ -29,6 +30,7 @@ def test_mixed_run_stays_within_the_variant_goal():
     assert out["compiled_variants"] <= out["planned_variants"]
     kinds = {name.split("(")[0] for name in out["compile_seconds_by_program"]}
     assert {"decode", "mixed"} <= kinds
+    assert out["max_num_batched_tokens"] == 128
 
 
 def test_workload_is_mixed_and_seeded():
