@@ -158,8 +158,8 @@ inline V16 TransposeSum16(const V16* v) {
 // hardware prefetcher, which follows a stream, cannot guess the next one. Into every cache level
 // (locality 3): the non-temporal hint (locality 0) made SmolLM2's decode attention 2-3x slower on
 // a 2-core Sapphire Rapids (30 layers, 32 rows of 75 keys: 6.2-6.5 ms against 17-18 ms, float32
-// pages; 64 rows of 100 keys: 19-21 ms against 44-45 ms; bfloat16 pages 1.6-2x), and no
-// prefetch at all was slower than either at most shapes.
+// pages; 64 rows of 100 keys: 19-21 ms against 44-45 ms; bfloat16 pages 1.6-2x); no
+// prefetch at all fell between the two at most shapes.
 template <typename T>
 inline void Prefetch(const T* first, int64_t count) {
   const char* c = reinterpret_cast<const char*>(first);
